@@ -1,0 +1,113 @@
+"""Run a test body in W real processes joined by torch.distributed (gloo) and DeepSpeed.
+
+Worlds are kept alive between tests (one per size): starting a process that imports torch and
+DeepSpeed costs seconds, and the suite runs hundreds of rank bodies. A world whose body fails
+stays usable; a world that hangs is killed, and the next test gets a fresh one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+DEFAULT_TIMEOUT = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, size: int, port: int, tasks, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
+                      LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        job = tasks.get()
+        if job is None:
+            return
+        fn, args, kwargs = job
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+
+
+class WorldError(AssertionError):
+    """A rank body raised, or the world hung."""
+
+
+class World:
+    def __init__(self, size: int):
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(size)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, size, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+        """``fn(*args, **kwargs)`` on every rank; returns the results in rank order."""
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        got, failures = {}, []
+        while len(got) < self.size:
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.close()
+                waiting = sorted(set(range(self.size)) - set(got))
+                raise WorldError(f"{fn.__name__}: ranks {waiting} did not finish within {timeout} s "
+                                 f"(hang?); finished: {sorted(got)}") from None
+            got[rank] = value
+            if not ok:
+                failures.append(f"--- rank {rank} ---\n{value}")
+        if failures:
+            raise WorldError(f"{fn.__name__} failed on {len(failures)} of {self.size} ranks:\n"
+                             + "\n".join(failures))
+        return [got[r] for r in range(self.size)]
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except (ValueError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_worlds: dict[int, World] = {}
+
+
+def run_world(size: int, fn, *args, **kwargs) -> list:
+    """Run ``fn`` on each rank of a (cached) world of ``size`` processes."""
+    world = _worlds.get(size)
+    if world is None or not world.alive:
+        world = _worlds[size] = World(size)
+    return world.run(fn, *args, **kwargs)
+
+
+def close_worlds() -> None:
+    while _worlds:
+        _worlds.popitem()[1].close()

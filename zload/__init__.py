@@ -1,0 +1,14 @@
+"""zload: load and save safetensors checkpoints straight into DeepSpeed ZeRO-3 partitions.
+
+Each rank reads only the bytes of the partitions it owns; nothing is gathered.
+"""
+
+from .errors import CheckpointError, PlanError, ZloadError
+from .index import open_checkpoint
+from .load import ZloadWarning, load_into
+from .report import LoadReport
+
+__version__ = "0.1.0"
+
+__all__ = ["load_into", "open_checkpoint", "LoadReport", "ZloadError", "CheckpointError",
+           "PlanError", "ZloadWarning", "__version__"]

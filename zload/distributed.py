@@ -1,0 +1,45 @@
+"""The thin distributed layer: who we are, and agreeing on problems before acting.
+
+Every rank plans on its own. ``agree`` is the one small collective of a load: it shares each
+rank's problems, so a problem seen by any rank raises the same error on every rank instead of
+leaving the others blocked in a later collective.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from . import errors
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def agree(problems: list[tuple[str, str]], what: str) -> None:
+    """Raise on every rank if any rank has problems; ``problems`` holds (error class, message).
+
+    The error is the most specific class any rank reported; its message lists every problem once,
+    prefixed by the ranks that saw it when not all ranks did.
+    """
+    _, world = rank_and_world()
+    gathered = [problems]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, problems)
+    seen: dict[tuple[str, str], list[int]] = {}
+    for r, rank_problems in enumerate(gathered):
+        for problem in rank_problems:
+            seen.setdefault(tuple(problem), []).append(r)
+    if not seen:
+        return
+    lines = []
+    for (_, message), ranks in seen.items():
+        prefix = "" if len(ranks) == world else f"[rank {', '.join(map(str, ranks))}] "
+        lines.append(f"  - {prefix}{message}")
+    classes = {cls for cls, _ in seen}
+    cls = next((getattr(errors, c) for c in ("CheckpointError", "PlanError") if c in classes),
+               errors.ZloadError)
+    raise cls(f"{what}:\n" + "\n".join(lines))

@@ -1,0 +1,23 @@
+"""zload's exceptions.
+
+Every error a user can trigger with a bad checkpoint or a bad call is a ``ZloadError``, so that a
+trainer can catch one type; the subclasses say which stage refused.
+"""
+
+
+class ZloadError(Exception):
+    """Base class of every error zload raises on purpose."""
+
+
+class CheckpointError(ZloadError):
+    """A checkpoint file is missing, unreadable or not valid safetensors.
+
+    The message names the file and, where one is at fault, the tensor.
+    """
+
+
+class PlanError(ZloadError):
+    """The checkpoint and the model do not fit together (shapes, dtypes, coverage).
+
+    Raised identically on every rank, before a single byte of the model is written.
+    """

@@ -1,0 +1,157 @@
+"""``load_into``: index -> targets -> plan -> agree -> execute -> report.
+
+Nothing is written into the model until every rank has planned without a problem; a failure while
+writing is agreed on as well, so no rank is left waiting in a collective another rank never reaches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from .distributed import agree, rank_and_world
+from .errors import ZloadError
+from .execute import DEFAULT_STAGING_BYTES, execute
+from .index import open_checkpoint
+from .plan import LoadPlan, make_plan
+from .report import LoadReport
+from .targets import ORPHAN, PARTITION, collect_targets, zero_sibling
+
+logger = logging.getLogger("zload")
+
+
+class ZloadWarning(UserWarning):
+    """Something was loaded, but not quite as the model or checkpoint suggests (see message)."""
+
+
+def _unwrap(model):
+    """(module, engine or None) for an nn.Module or a DeepSpeedEngine."""
+    from deepspeed import DeepSpeedEngine
+
+    if isinstance(model, DeepSpeedEngine):
+        return model.module, model
+    if isinstance(model, torch.nn.Module):
+        return model, None
+    raise TypeError(f"zload.load_into expects an nn.Module or a DeepSpeedEngine, got {type(model).__name__}")
+
+
+def _problems_of(stage: str, call) -> tuple[object, list[tuple[str, str]]]:
+    """Run ``call``; turn any exception into problems so every rank can still reach ``agree``."""
+    try:
+        return call(), []
+    except ZloadError as e:
+        return None, [(type(e).__name__, str(e))]
+    except Exception as e:  # a bug or an environment error must not leave other ranks hanging
+        logger.error("zload: unexpected error while %s:\n%s", stage, traceback.format_exc())
+        return None, [("ZloadError", f"unexpected error while {stage}: {type(e).__name__}: {e}")]
+
+
+@contextmanager
+def _engine_writes(engine):
+    """Keep a live ZeRO-3 engine consistent around in-place writes into its partitions."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None or not hasattr(optimizer, "checkpoint_event_prologue"):
+        yield
+        return
+    optimizer.checkpoint_event_prologue()  # partition persistent (replicated) parameters
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        if ok:
+            optimizer.refresh_fp32_params()  # fp32 masters <- the partitions just written
+        optimizer.checkpoint_event_epilogue()  # drop hpZ secondaries, re-gather persistent params
+
+
+def _destinations(plan: LoadPlan) -> list[torch.Tensor | None]:
+    """Flat tensors the executor writes into, one per target (None where nothing is loaded)."""
+    dests: list[torch.Tensor | None] = [None] * len(plan.targets)
+    for i, entry in plan.sources.items():
+        target = plan.targets[i]
+        if target.kind == PARTITION:
+            dests[i] = target.tensor.ds_tensor.data.view(-1)
+        elif target.kind == ORPHAN:
+            dests[i] = torch.empty(entry.numel, dtype=getattr(torch, target.dtype))
+        else:
+            dests[i] = target.tensor.data.view(-1)
+    return dests
+
+
+def _write(plan: LoadPlan, dests, staging_bytes: int) -> int:
+    bytes_read = execute(plan.items, dests, staging_bytes)
+    for i in plan.sources:
+        target = plan.targets[i]
+        if target.kind == PARTITION:
+            dests[i][target.partition.valid:].zero_()  # padding is uninitialised memory
+            target.tensor.ds_secondary_tensor = None  # stale hpZ copy; rebuilt on next partition
+    return bytes_read
+
+
+def _repair_orphans(module, plan: LoadPlan, dests) -> None:
+    """Turn loaded orphans into ZeRO-3 parameters (a broadcast in the sibling's group)."""
+    for i, entry in sorted(plan.sources.items()):
+        target = plan.targets[i]
+        if target.kind != ORPHAN:
+            continue
+        param = target.tensor
+        param.data = dests[i].view(entry.shape)
+        zero_sibling(module, target.name).convert_to_zero_parameters([param])
+
+
+def load_into(model, path: str | os.PathLike, *, strict: bool = True,
+              staging_bytes: int = DEFAULT_STAGING_BYTES) -> LoadReport:
+    """Load a safetensors checkpoint into ``model`` in place, each rank reading only its bytes.
+
+    ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not) or a
+    ``DeepSpeedEngine``. ``path`` is a ``.safetensors`` file, an index ``.json``, or a directory
+    holding ``model.safetensors`` or ``model.safetensors.index.json`` with its shards.
+    With ``strict`` model tensors missing from the checkpoint are an error; checkpoint tensors the
+    model lacks are only reported. Must be called by every rank. Raises ``ZloadError`` (the same
+    on every rank) and leaves the model untouched when the checkpoint does not fit the model.
+    """
+    started = time.perf_counter()
+    rank, world = rank_and_world()
+    module, engine = _unwrap(model)
+    source = os.fspath(path)
+
+    def plan_load() -> LoadPlan:
+        index = open_checkpoint(source)
+        return make_plan(index, collect_targets(module), strict=strict)
+
+    plan, problems = _problems_of("planning", plan_load)
+    if plan is not None:
+        problems = [("PlanError", p) for p in plan.problems]
+    agree(problems, f"zload: cannot load {source}; the model was not changed")
+
+    dests = _destinations(plan)
+    with _engine_writes(engine):
+        bytes_read, problems = _problems_of("writing", lambda: _write(plan, dests, staging_bytes))
+        agree(problems, f"zload: loading {source} failed part-way; the model is partly written")
+        _repair_orphans(module, plan, dests)
+
+    report = LoadReport(source, rank, world, plan.loaded, plan.missing, plan.unexpected,
+                        plan.conversions, plan.orphans, bytes_read, plan.checkpoint_bytes,
+                        time.perf_counter() - started)
+    _warn(report)
+    logger.info("%s", report)
+    return report
+
+
+def _warn(report: LoadReport) -> None:
+    if report.unexpected:
+        warnings.warn(f"zload: {len(report.unexpected)} checkpoint tensors are not in the model and "
+                      f"were skipped: {', '.join(report.unexpected[:20])}", ZloadWarning, stacklevel=3)
+    if report.missing:
+        warnings.warn(f"zload: {len(report.missing)} model tensors are not in the checkpoint and "
+                      f"were left as they were: {', '.join(report.missing[:20])}", ZloadWarning,
+                      stacklevel=3)
+    for name in report.repaired_orphans:
+        warnings.warn(f"zload: '{name}' was a plain [0]-shaped parameter (re-created after zero.Init); "
+                      "loaded it and converted it to a ZeRO-3 parameter", ZloadWarning, stacklevel=3)

@@ -1,0 +1,50 @@
+"""LoadReport: what a load did on this rank, for logs and for tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+@dataclass
+class LoadReport:
+    """The outcome of ``load_into`` on one rank.
+
+    ``loaded`` holds model names (the first name of tied weights); ``missing`` model tensors the
+    checkpoint lacks; ``unexpected`` checkpoint tensors the model lacks; ``conversions`` maps
+    "FILE_DTYPE->model_dtype" to the names converted; ``bytes_read`` counts file bytes this rank
+    read, which for ZeRO-3 parameters is only its own partitions.
+    """
+
+    source: str
+    rank: int
+    world_size: int
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    conversions: dict[str, list[str]] = field(default_factory=dict)
+    repaired_orphans: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    checkpoint_bytes: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        share = self.bytes_read / self.checkpoint_bytes if self.checkpoint_bytes else 0.0
+        lines = [
+            f"zload: loaded {len(self.loaded)} tensors from {self.source} on rank {self.rank}/"
+            f"{self.world_size} in {self.seconds:.3f} s",
+            f"  read {self.bytes_read / 1e6:.2f} MB ({share:.1%} of {self.checkpoint_bytes / 1e6:.2f} MB"
+            f" checkpoint) at {rate:.2f} GB/s",
+        ]
+        for label, names in (("missing", self.missing), ("unexpected", self.unexpected),
+                             ("repaired orphans", self.repaired_orphans)):
+            if names:
+                lines.append(f"  {label} ({len(names)}): {_names(names)}")
+        for pair, names in self.conversions.items():
+            lines.append(f"  converted {pair}: {len(names)} tensors")
+        return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Targets: what each name of the model needs, and where its bytes land on this rank.
+
+``collect_targets`` walks the model once and turns every parameter and buffer into a plain
+``Target`` record. The planner only reads the record's plain fields; the executor uses ``tensor``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PARTITION = "partition"  # ZeRO-3 parameter: this rank owns a flat slice, written into ds_tensor
+FULL = "full"  # plain parameter or buffer: every rank writes the whole tensor
+ORPHAN = "orphan"  # plain [0]-shaped parameter re-created after zero.Init: shape comes from the file
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The flat element range ``[start, start + size)`` one rank owns of an ``numel``-element tensor.
+
+    Mirrors DeepSpeed's ``_partition_param``: ``size = ceil(numel / world)``; the last ranks may
+    own fewer valid elements than ``size``, or none, and the rest of their slice is padding.
+    """
+
+    numel: int
+    world: int
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return -(-self.numel // self.world)
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.size
+
+    @property
+    def valid(self) -> int:
+        return max(0, min(self.size, self.numel - self.start))
+
+
+@dataclass(frozen=True)
+class Target:
+    """One destination tensor of the model, under every name the model gives it."""
+
+    names: tuple[str, ...]  # tied weights have several; the first is the canonical one
+    kind: str  # PARTITION, FULL or ORPHAN
+    shape: tuple[int, ...]  # full logical shape (ds_shape for partitions); () unused for ORPHAN
+    dtype: str  # torch dtype name of the destination, e.g. "bfloat16"
+    required: bool  # parameters and persistent buffers must be covered by the checkpoint
+    partition: Partition | None = None  # only for PARTITION
+    problem: str | None = None  # why this tensor cannot be loaded at all (reported by the planner)
+    tensor: Any = field(default=None, compare=False, repr=False)  # the parameter or buffer
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _zero_partition_problem(param) -> str | None:
+    """Why a ZeRO-3 partition cannot be written in place right now, if it cannot."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+        return (f"is gathered ({param.ds_status.name}); load outside GatheredParameters, or pass "
+                "the DeepSpeedEngine so zload can re-partition it")
+    if getattr(param.ds_tensor, "final_location", None) == "nvme":
+        return "is offloaded to NVMe, which zload does not load into yet"
+    if hasattr(param.ds_tensor, "ds_quant_scale"):
+        return "is stored quantised (zero_quantized_nontrainable_weights), which zload does not load into yet"
+    return None
+
+
+def _zero_target(names, param) -> Target:
+    import torch.distributed as dist
+
+    group = param.ds_process_group
+    part = Partition(param.ds_numel, dist.get_world_size(group=group), dist.get_rank(group=group))
+    problem = _zero_partition_problem(param)
+    if problem is None and param.ds_tensor.ds_numel != part.size:
+        problem = (f"has a {param.ds_tensor.ds_numel}-element partition where ceil({part.numel}/"
+                   f"{part.world}) = {part.size} was expected; unsupported partitioning")
+    return Target(tuple(names), PARTITION, tuple(param.ds_shape), _dtype_name(param.ds_tensor.dtype),
+                  True, part, problem, param)
+
+
+def collect_targets(module) -> list[Target]:
+    """Every parameter and buffer of ``module`` as a Target, tied aliases folded together."""
+    params: dict[int, list] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), [p, []])[1].append(name)
+    buffers: dict[int, list] = {}
+    for name, b in _named_buffers_with_persistence(module):
+        buffers.setdefault(id(b[0]), [b, []])[1].append(name)
+
+    under_zero3 = any(hasattr(p, "ds_id") for p, _ in params.values())
+    targets = []
+    for p, names in params.values():
+        if hasattr(p, "ds_id"):
+            targets.append(_zero_target(names, p))
+        elif under_zero3 and p.numel() == 0:
+            dtype = _dtype_name(zero_sibling(module, names[0]).ds_tensor.dtype)
+            targets.append(Target(tuple(names), ORPHAN, (), dtype, True, tensor=p))
+        else:
+            targets.append(_full_target(names, p, required=True))
+    for (b, persistent), names in buffers.values():
+        targets.append(_full_target(names, b, required=persistent))
+    return targets
+
+
+def zero_sibling(module, name: str):
+    """The ZeRO-3 parameter nearest to parameter ``name``: first in its own module, then in each
+    enclosing module. An orphan is converted in that parameter's process group and dtype."""
+    path = name.split(".")[:-1]
+    for depth in range(len(path), -1, -1):
+        owner = module.get_submodule(".".join(path[:depth]))
+        for p in owner.parameters():
+            if hasattr(p, "ds_id"):
+                return p
+    raise AssertionError("zero_sibling called on a model without ZeRO-3 parameters")
+
+
+def _full_target(names, tensor, required: bool) -> Target:
+    problem = None
+    if tensor.is_meta:
+        problem = "is on the meta device; materialise the model (to_empty) before loading"
+    elif not tensor.is_contiguous():
+        problem = "is not contiguous"
+    return Target(tuple(names), FULL, tuple(tensor.shape), _dtype_name(tensor.dtype), required,
+                  problem=problem, tensor=tensor)
+
+
+def _named_buffers_with_persistence(module):
+    """(name, (buffer, persistent)) for every buffer, tied ones repeated under each name."""
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for local, buf in sub._buffers.items():
+            if buf is not None:
+                full = f"{prefix}.{local}" if prefix else local
+                yield full, (buf, local not in sub._non_persistent_buffers_set)
