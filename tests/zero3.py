@@ -1,0 +1,90 @@
+"""Helpers for rank bodies: build models under zero.Init, and check them against a checkpoint.
+
+The reference is always DeepSpeed's own ``GatheredParameters``, compared bit for bit with the
+checkpoint tensor cast by ``Tensor.to``, so a wrong partition, offset, cast or padding shows up.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+
+
+def build_zero(factory, dtype=torch.float32, config=None):
+    """``factory()`` under zero.Init; partitions pre-filled with a sentinel so stale bytes show."""
+    with deepspeed.zero.Init(config_dict_or_path=config or DS_CONFIG, dtype=dtype):
+        model = factory()
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):
+            p.ds_tensor.data.fill_(7.0)
+    return model
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, so NaN, -0.0 and dtype all take part in equality."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {actual.shape} != {expected.shape}"
+    if not torch.equal(bits(actual), bits(expected)):
+        diff = (actual.float() != expected.float()).sum().item()
+        raise AssertionError(f"{what}: {diff} of {expected.numel()} elements differ")
+
+
+def check_against(model, expected: dict[str, torch.Tensor], names=None) -> int:
+    """Gather every parameter and compare each named tensor with ``expected[name].to(dtype)``.
+
+    Also checks that ZeRO-3 padding was zeroed. Returns the number of tensors compared.
+    """
+    params = list(model.parameters())
+    compared = 0
+    with deepspeed.zero.GatheredParameters(params):
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))
+        for name in names or expected:
+            actual = tensors[name]
+            assert_bit_equal(actual.data, expected[name].to(actual.dtype), f"rank {dist.get_rank()}: {name}")
+            compared += 1
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_tensor"):
+            part = p.ds_tensor.view(-1)
+            valid = max(0, min(part.numel(), p.ds_numel - dist.get_rank(p.ds_process_group) * part.numel()))
+            assert torch.all(part[valid:] == 0), f"{name}: padding not zeroed"
+    return compared
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    """Each rank's own view of the model (partitions, plain params, buffers), to prove it is untouched."""
+    state = {}
+    for name, p in model.named_parameters():
+        state[name] = (p.ds_tensor if hasattr(p, "ds_tensor") else p.data).detach().clone()
+    for name, b in model.named_buffers():
+        state[name] = b.detach().clone()
+    return state
+
+
+def assert_unchanged(model, before: dict[str, torch.Tensor]) -> None:
+    after = snapshot(model)
+    assert after.keys() == before.keys()
+    for name in before:
+        assert_bit_equal(after[name], before[name], f"{name} changed")
+
+
+def load_expected(path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def recorded_warnings(call):
+    """(result of call(), [warning messages])."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call()
+    return result, [str(w.message) for w in caught]
