@@ -123,7 +123,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True,
 
     def plan_load() -> LoadPlan:
         index = open_checkpoint(source)
-        return make_plan(index, collect_targets(module), strict=strict)
+        return make_plan(index, collect_targets(module, engine is not None), strict=strict)
 
     plan, problems = _problems_of("planning", plan_load)
     if plan is not None:

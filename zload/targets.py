@@ -61,11 +61,12 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _zero_partition_problem(param) -> str | None:
+def _zero_partition_problem(param, live_engine: bool) -> str | None:
     """Why a ZeRO-3 partition cannot be written in place right now, if it cannot."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+    # A live engine's persistent parameters stay gathered; its optimizer re-partitions them.
+    if not live_engine and param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
         return (f"is gathered ({param.ds_status.name}); load outside GatheredParameters, or pass "
                 "the DeepSpeedEngine so zload can re-partition it")
     if getattr(param.ds_tensor, "final_location", None) == "nvme":
@@ -75,12 +76,12 @@ def _zero_partition_problem(param) -> str | None:
     return None
 
 
-def _zero_target(names, param) -> Target:
+def _zero_target(names, param, live_engine: bool) -> Target:
     import torch.distributed as dist
 
     group = param.ds_process_group
     part = Partition(param.ds_numel, dist.get_world_size(group=group), dist.get_rank(group=group))
-    problem = _zero_partition_problem(param)
+    problem = _zero_partition_problem(param, live_engine)
     if problem is None and param.ds_tensor.ds_numel != part.size:
         problem = (f"has a {param.ds_tensor.ds_numel}-element partition where ceil({part.numel}/"
                    f"{part.world}) = {part.size} was expected; unsupported partitioning")
@@ -88,8 +89,11 @@ def _zero_target(names, param) -> Target:
                   True, part, problem, param)
 
 
-def collect_targets(module) -> list[Target]:
-    """Every parameter and buffer of ``module`` as a Target, tied aliases folded together."""
+def collect_targets(module, live_engine: bool = False) -> list[Target]:
+    """Every parameter and buffer of ``module`` as a Target, tied aliases folded together.
+
+    ``live_engine``: the module belongs to a DeepSpeedEngine whose optimizer brackets the writes.
+    """
     params: dict[int, list] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), [p, []])[1].append(name)
@@ -101,7 +105,7 @@ def collect_targets(module) -> list[Target]:
     targets = []
     for p, names in params.values():
         if hasattr(p, "ds_id"):
-            targets.append(_zero_target(names, p))
+            targets.append(_zero_target(names, p, live_engine))
         elif under_zero3 and p.numel() == 0:
             dtype = _dtype_name(zero_sibling(module, names[0]).ds_tensor.dtype)
             targets.append(Target(tuple(names), ORPHAN, (), dtype, True, tensor=p))

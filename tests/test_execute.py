@@ -1,0 +1,275 @@
+"""Unit tests for zload.execute and zload.kernels.scatter_cast on CPU tensors.
+
+Reads are built by hand as ReadItems over real safetensors files; every destination is compared
+bit for bit with ``source_slice.to(dst_dtype)`` (so NaN, -0.0 and subnormals count), including
+the elements no item writes, which must keep their sentinel bits.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import zload.execute as execute_module
+from zload import CheckpointError, open_checkpoint
+from zload.execute import DEFAULT_STAGING_BYTES, execute
+from zload.index import DTYPES
+from zload.kernels import Segment, scatter_cast
+from zload.plan import ReadItem
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+DST_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor reinterpreted as integers, so equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
+    return t.view(BITS[t.element_size()])
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, any_nan=None):
+    """Bitwise equality; where ``any_nan`` is set, an expected NaN may be any NaN.
+
+    torch itself converts a float16 NaN to float32 with different bits in its vectorised loop
+    (payload and sign kept) and its scalar tail (0x7fffffff), so for that one conversion the NaN
+    bits depend on where a copy happens to be split and no chunked copy can promise them.
+    """
+    assert actual.dtype == expected.dtype
+    differ = bits(actual) != bits(expected)
+    if any_nan is not None:
+        loose = any_nan & expected.isnan()
+        assert actual[loose].isnan().all()
+        differ &= ~loose
+    diff = differ.nonzero().flatten().tolist()
+    assert not diff, (f"{len(diff)} elements differ, first at {diff[:5]}: "
+                      f"{actual[diff[:5]].tolist()} != {expected[diff[:5]].tolist()}")
+
+
+def special_floats(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values laced with NaN, +-inf, -0.0, subnormals and values that overflow or go
+    subnormal when narrowed to float16 / bfloat16."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float32) * 10
+    specials = [float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, 0.0,
+                1e-40, -1e-42,  # float32 subnormals
+                3e-6, -6e-8, 1e-7,  # float16 subnormal / underflow territory
+                1e5, -7e4, 65520.0, 3e38,  # overflow float16 (not bfloat16)
+                1.0 + 2**-8, 1.0 + 3 * 2**-9, 0.1]  # bfloat16 rounding ties and inexact
+    x = x.to(dtype)
+    positions = torch.randperm(n, generator=g)[:len(specials) * 4]
+    for i, p in enumerate(positions.tolist()):
+        x[p] = specials[i % len(specials)]
+    if dtype == torch.float16:
+        x[positions[0]] = torch.tensor(2**-24, dtype=torch.float16)  # smallest float16 subnormal
+    if dtype == torch.bfloat16:
+        x[positions[1]] = torch.tensor(1e-39, dtype=torch.bfloat16)  # a bfloat16 subnormal
+    return x
+
+
+def source_tensors(seed: int, n: int = 1531) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ints = torch.randint(-2**40, 2**40, (n,), generator=g)
+    ints[:8] = torch.tensor([0, -1, 2**24 + 1, -(2**24) - 1, 65504, 65520, 2**53 + 1, -7])
+    return {
+        "f32": special_floats(n, torch.float32, seed),
+        "f16": special_floats(n + 2, torch.float16, seed + 1),
+        "bf16": special_floats(n + 4, torch.bfloat16, seed + 2),
+        "i64": ints,
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Two files of random tensors; returns (index, {name: tensor}) merged over both files."""
+    folder = tmp_path_factory.mktemp("execute")
+    tensors, entries = {}, {}
+    for seed, prefix in ((0, "a."), (10, "b.")):
+        part = {prefix + k: v for k, v in source_tensors(seed).items()}
+        path = folder / f"{prefix}safetensors"
+        save_file(part, str(path))
+        tensors.update(part)
+        entries.update(open_checkpoint(path).tensors)
+    return entries, tensors
+
+
+def item_for(entry, target: int, first: int, count: int, dst_offset: int) -> ReadItem:
+    size = entry.itemsize
+    return ReadItem(entry.file, entry.start + first * size, count * size, DTYPES[entry.dtype][0],
+                    target, dst_offset, count)
+
+
+def sentinel(length: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Random bit patterns (NaNs included) that a correct copy must either overwrite or keep."""
+    ints = BITS[torch.empty(0, dtype=dtype).element_size()]
+    info = torch.iinfo(ints)
+    return torch.randint(info.min, info.max, (length,), generator=g, dtype=ints).view(dtype)
+
+
+def random_plan(entries, tensors, names, dst_dtypes, seed: int, length: int = 4001):
+    """Random non-overlapping sub-ranges of source tensors placed in flat destinations.
+
+    ``names`` lists the tensors each destination may draw from (one list per destination, or
+    one list for all). Returns (items, destinations, expected, any_nan): destinations start as
+    sentinel bits, ``expected`` is what each must hold afterwards, and ``any_nan`` marks the
+    elements converted float16 -> float32 (see ``assert_bits_equal``).
+    """
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(names[0], str):
+        names = [names] * len(dst_dtypes)
+    destinations = [sentinel(length, d, g) for d in dst_dtypes]
+    expected = [d.clone() for d in destinations]
+    any_nan = [torch.zeros(length, dtype=torch.bool) for _ in destinations]
+    items = []
+    for target, dst in enumerate(destinations):
+        cursor = rng.choice([0, 1, 3])
+        while True:
+            name = rng.choice(names[target])
+            src = tensors[name].reshape(-1)
+            count = rng.choice([1, 2, 3, 5, 17, 63, rng.randrange(1, 300) | 1])
+            first = rng.randrange(0, src.numel() - count + 1)
+            if cursor + count > length:
+                break
+            items.append(item_for(entries[name], target, first, count, cursor))
+            expected[target][cursor:cursor + count] = src[first:first + count].to(dst.dtype)
+            any_nan[target][cursor:cursor + count] = (src.dtype, dst.dtype) == (torch.float16,
+                                                                                torch.float32)
+            cursor += count + rng.choice([0, 0, 1, 2, 7])
+    rng.shuffle(items)
+    return items, destinations, expected, any_nan
+
+
+class ScatterSpy:
+    """Counts scatter_cast calls (one per staging flush) while delegating to the real kernel."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        self.segments = 0
+        real = execute_module.scatter_cast
+
+        def spy(staging, segments, destinations):
+            self.calls += 1
+            self.segments += len(segments)
+            real(staging, segments, destinations)
+
+        monkeypatch.setattr(execute_module, "scatter_cast", spy)
+
+
+STAGING = [1, 64, 100, 256, 4096, DEFAULT_STAGING_BYTES]
+A_NAMES = ["a.f32", "a.f16", "a.bf16", "a.i64"]
+
+
+@pytest.mark.parametrize("staging", STAGING)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mixed_dtypes_match_torch_cast(checkpoint, monkeypatch, staging, seed):
+    """Random odd ranges of every source dtype into f32/f16/bf16 destinations at odd offsets:
+    bit-exact against ``.to()``, untouched elsewhere, whatever the staging size."""
+    entries, tensors = checkpoint
+    items, destinations, expected, any_nan = random_plan(entries, tensors, A_NAMES, DST_DTYPES,
+                                                         seed)
+    spy = ScatterSpy(monkeypatch)
+    got = execute(items, destinations, staging_bytes=staging)
+    assert got == sum(i.nbytes for i in items)
+    for actual, want, loose in zip(destinations, expected, any_nan):
+        assert_bits_equal(actual, want, loose)
+    staged = [i for i in items if getattr(torch, i.src_dtype) != destinations[i.target].dtype]
+    assert spy.segments >= len(staged) > 0
+    if staging <= 100:
+        assert spy.calls > len(staged)  # tiny buffer: items are split across many flushes
+    if staging == DEFAULT_STAGING_BYTES:
+        assert spy.calls < 10
+
+
+def test_two_files_interleaved(checkpoint, monkeypatch):
+    """Items alternating between two files (and between staged and direct reads) land right."""
+    entries, tensors = checkpoint
+    names = A_NAMES + [n.replace("a.", "b.") for n in A_NAMES]
+    items, destinations, expected, any_nan = random_plan(entries, tensors, names, DST_DTYPES,
+                                                         seed=5)
+    assert {i.file for i in items} == {entries["a.f32"].file, entries["b.f32"].file}
+    for staging in (100, DEFAULT_STAGING_BYTES):
+        dsts = [d.clone() for d in destinations]
+        assert execute(items, dsts, staging_bytes=staging) == sum(i.nbytes for i in items)
+        for actual, want, loose in zip(dsts, expected, any_nan):
+            assert_bits_equal(actual, want, loose)
+
+
+@pytest.mark.parametrize("staging", [64, DEFAULT_STAGING_BYTES])
+def test_direct_reads_bypass_staging(checkpoint, monkeypatch, staging):
+    """Same dtype into a CPU destination is read straight into it: no scatter_cast at all."""
+    entries, tensors = checkpoint
+    names = [["a.f32", "b.f32"], ["a.f16", "b.f16"], ["a.bf16", "b.bf16"]]
+    items, destinations, expected, _ = random_plan(entries, tensors, names, DST_DTYPES, seed=7)
+    spy = ScatterSpy(monkeypatch)
+    assert execute(items, destinations, staging) == sum(i.nbytes for i in items)
+    assert spy.calls == 0
+    for actual, want in zip(destinations, expected):
+        assert_bits_equal(actual, want)
+
+
+def test_whole_tensors_and_adjacent_ranges(checkpoint):
+    """Whole tensors, and one tensor split into file-adjacent pieces (merged into one read),
+    reassemble exactly, staged and direct."""
+    entries, tensors = checkpoint
+    src = tensors["a.bf16"]
+    n = src.numel()
+    cuts = [0, 1, 2, 9, 200, 777, n]
+    destinations = [torch.full((n,), -1.0, dtype=d) for d in DST_DTYPES]
+    items = [item_for(entries["a.bf16"], t, a, b - a, a)
+             for t in range(3) for a, b in zip(cuts, cuts[1:])]
+    assert execute(items, destinations, staging_bytes=128) == 3 * src.numel() * 2
+    for actual in destinations:
+        assert_bits_equal(actual, src.to(actual.dtype))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_file_truncated_after_indexing(tmp_path, direct):
+    """A file that shrinks between indexing and reading is a CheckpointError naming it,
+    not silently short destinations."""
+    path = tmp_path / "shrinks.safetensors"
+    save_file({"x": torch.randn(1000), "y": torch.randn(1000)}, str(path))
+    entries = open_checkpoint(path).tensors
+    os.truncate(path, path.stat().st_size - 10)
+    dst = torch.zeros(2000, dtype=torch.float32 if direct else torch.bfloat16)
+    items = [item_for(entries[n], 0, 0, 1000, k * 1000) for k, n in enumerate("xy")]
+    with pytest.raises(CheckpointError) as err:
+        execute(items, [dst], staging_bytes=4096)
+    assert str(path) in str(err.value)
+
+
+def test_file_removed_after_indexing(tmp_path):
+    """A file that disappears after indexing is a CheckpointError naming it."""
+    path = tmp_path / "gone.safetensors"
+    save_file({"x": torch.randn(10)}, str(path))
+    entry = open_checkpoint(path).tensors["x"]
+    path.unlink()
+    with pytest.raises(CheckpointError) as err:
+        execute([item_for(entry, 0, 0, 10, 0)], [torch.zeros(10)])
+    assert str(path) in str(err.value)
+
+
+def test_scatter_cast_segments():
+    """scatter_cast copies each staged segment to its destination slice, cast like ``.to()``,
+    and leaves everything else alone."""
+    g = torch.Generator().manual_seed(3)
+    sources = [special_floats(37, torch.float32, 0), special_floats(21, torch.float16, 1),
+               special_floats(50, torch.bfloat16, 2), torch.randint(-2**40, 2**40, (9,),
+                                                                    generator=g)]
+    staging = torch.full((1024,), 0xAB, dtype=torch.uint8)
+    segments, offset = [], 0
+    plan = [(0, 2, 3), (1, 0, 0), (2, 1, 11), (3, 0, 64), (0, 0, 40), (2, 2, 77)]  # src, dst, off
+    destinations = [torch.full((200,), 7.0, dtype=d) for d in DST_DTYPES]
+    expected = [d.clone() for d in destinations]
+    for src_index, dst, dst_offset in plan:
+        src = sources[src_index]
+        raw = src.view(torch.uint8)
+        staging[offset:offset + raw.numel()] = raw
+        segments.append(Segment(offset, src.dtype, src.numel(), dst, dst_offset))
+        expected[dst][dst_offset:dst_offset + src.numel()] = src.to(expected[dst].dtype)
+        offset += -(-raw.numel() // 64) * 64
+    scatter_cast(staging, segments, destinations)
+    for actual, want in zip(destinations, expected):
+        assert_bits_equal(actual, want)
