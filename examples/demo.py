@@ -204,7 +204,6 @@ def rank_main(folder: str) -> int:
                   f"(rank 0: {', '.join(failures) or 'none'})")
     sys.stdout.flush()
     dist.barrier()
-    dist.destroy_process_group()
     return 0 if failed.item() == 0 else 1
 
 

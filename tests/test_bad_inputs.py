@@ -1,0 +1,156 @@
+"""Bad checkpoints: the same clear zload error on every rank, no hang, and an untouched model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zload
+
+from . import models
+from .checkpoints import save_sharded
+from .harness import run_world
+from .zero3 import assert_unchanged, build_zero, recorded_warnings, snapshot
+
+
+def _load_expecting_error(path, node_dirs=None):
+    """Load ``path``; return the error each rank raised, after proving the model untouched.
+
+    With ``node_dirs``, rank r resolves ``path`` (relative) inside ``node_dirs[r]``: the same
+    path names different files on different ranks, as with node-local copies of a checkpoint.
+    """
+    model = build_zero(models.Awkward)
+    before = snapshot(model)
+    cwd = os.getcwd()
+    try:
+        if node_dirs:
+            os.chdir(node_dirs[dist.get_rank()])
+        zload.load_into(model, path)
+    except zload.ZloadError as e:
+        assert_unchanged(model, before)
+        return type(e).__name__, str(e)
+    finally:
+        os.chdir(cwd)
+    raise AssertionError("load_into accepted a bad checkpoint")
+
+
+def _shard_holding(folder, tensor):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder / index["weight_map"][tensor]
+
+
+def _truncate(folder):
+    shard = _shard_holding(folder, "cube")
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 5)
+    return shard.name, "truncated"
+
+
+def _lie_about_offsets(folder):
+    """Rewrite one header entry so its data_offsets overlap its neighbour's (same header length)."""
+    shard = _shard_holding(folder, "cube")
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8:8 + n].decode()
+    parsed = json.loads(header)
+    begin, end = parsed["cube"]["data_offsets"]
+    lie = json.dumps({**parsed, "cube": {**parsed["cube"], "data_offsets": [begin + 4, end + 4]}},
+                     separators=(",", ":"))
+    lie = lie.encode().ljust(n)
+    assert len(lie) == n
+    shard.write_bytes(raw[:8] + lie + raw[8 + n:])
+    return shard.name, "'cube'"
+
+
+def _wrong_shape(folder, state):
+    state = dict(state, cube=torch.randn(13, 17, 4))
+    shutil.rmtree(folder)
+    save_sharded(state, folder, shards=2)
+    return "cube", "checkpoint shape [13, 17, 4] != model shape [13, 17, 3]"
+
+
+def _wrong_kind(folder, state):
+    state = dict(state, cube=torch.ones(13, 17, 3, dtype=torch.int32))
+    shutil.rmtree(folder)
+    save_sharded(state, folder, shards=2)
+    return "cube", "I32 cannot be cast"
+
+
+def _missing_tensor(folder, state):
+    state = {k: v for k, v in state.items() if k != "odd.bias"}
+    shutil.rmtree(folder)
+    save_sharded(state, folder, shards=2)
+    return "odd.bias", "not in the checkpoint"
+
+
+CORRUPTIONS = {
+    "truncated": lambda folder, state: _truncate(folder),
+    "lying_header": lambda folder, state: _lie_about_offsets(folder),
+    "shape_mismatch": _wrong_shape,
+    "int_into_float": _wrong_kind,
+    "missing_tensor": _missing_tensor,
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_bad_checkpoint_same_error_everywhere(tmp_path, world, corruption):
+    state = models.state_with_seed(models.Awkward, seed=8)
+    folder = save_sharded(state, tmp_path / "ckpt", shards=2)
+    culprit, detail = CORRUPTIONS[corruption](folder, state)
+    results = run_world(world, _load_expecting_error, folder, timeout=120)
+    assert len(set(results)) == 1, f"ranks disagree: {results}"
+    kind, message = results[0]
+    assert culprit in message and detail in message, message
+    assert kind == ("CheckpointError" if corruption in ("truncated", "lying_header") else "PlanError")
+
+
+def test_shard_missing_on_one_rank_only(tmp_path):
+    state = models.state_with_seed(models.Awkward, seed=9)
+    good = save_sharded(state, tmp_path / "node0" / "ckpt", shards=2)
+    shutil.copytree(good, tmp_path / "node1" / "ckpt")
+    gone = _shard_holding(tmp_path / "node1" / "ckpt", "cube")
+    gone.unlink()
+    nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "node0"]
+    results = run_world(3, _load_expecting_error, "ckpt", nodes, timeout=120)
+    assert len(set(results)) == 1, f"ranks disagree: {results}"
+    kind, message = results[0]
+    assert kind == "CheckpointError"
+    assert "[rank 1]" in message and gone.name in message and "does not exist" in message, message
+
+
+def _load_non_strict(path):
+    model = build_zero(models.Awkward)
+    report, messages = recorded_warnings(lambda: zload.load_into(model, path, strict=False))
+    return report.missing, report.unexpected, messages
+
+
+def test_non_strict_reports_missing_and_unexpected(tmp_path):
+    state = models.state_with_seed(models.Awkward, seed=10)
+    del state["odd.bias"]
+    state["extra.weight"] = torch.ones(2)
+    folder = save_sharded(state, tmp_path / "ckpt", shards=2)
+    for missing, unexpected, messages in run_world(2, _load_non_strict, folder):
+        assert missing == ["odd.bias"] and unexpected == ["extra.weight"]
+        assert any("extra.weight" in m for m in messages) and any("odd.bias" in m for m in messages)
+
+
+def _load_strict_with_extra(path):
+    model = build_zero(models.Awkward)
+    report, messages = recorded_warnings(lambda: zload.load_into(model, path))
+    return report.unexpected, messages
+
+
+def test_strict_load_only_warns_about_unexpected_tensors(tmp_path):
+    state = models.state_with_seed(models.Awkward, seed=11)
+    state["extra.weight"] = torch.ones(2)
+    folder = save_sharded(state, tmp_path / "ckpt", shards=2)
+    for unexpected, messages in run_world(2, _load_strict_with_extra, folder):
+        assert unexpected == ["extra.weight"]
+        assert any("extra.weight" in m for m in messages)
