@@ -27,14 +27,12 @@ class MLP(nn.Module):
         return self.down(torch.relu(self.norm(self.up(x))))
 
 
-def _config(hpz: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "bf16": {"enabled": True},
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100,
-                              "zero_hpz_partition_size": hpz},
-    }
+def _config(stage: int, hpz: int) -> dict:
+    zero = {"stage": stage}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=100, zero_hpz_partition_size=hpz)
+    return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+            "zero_allow_untested_optimizer": True, "zero_optimization": zero}
 
 
 def _step(engine, x):
@@ -44,10 +42,10 @@ def _step(engine, x):
     return loss.item()
 
 
-def _engine_rank_body(path, hpz):
-    config = _config(hpz)
+def _engine_rank_body(path, stage, hpz):
+    config = _config(stage, hpz)
     torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=config):
+    with deepspeed.zero.Init(config_dict_or_path=config, enabled=stage == 3):
         model = MLP()
     model.up.requires_grad_(False)  # frozen: its hpZ secondary copy is never refreshed by the optimizer
     engine, *_ = deepspeed.initialize(model=model, config=config,
@@ -77,9 +75,10 @@ def _engine_rank_body(path, hpz):
     return dist.get_rank()
 
 
-@pytest.mark.parametrize("world,hpz", [(1, 1), (2, 1), (3, 1), (4, 2)])
-def test_live_engine_load_survives_a_step(tmp_path, world, hpz):
+@pytest.mark.parametrize("world,stage,hpz", [(1, 3, 1), (2, 3, 1), (3, 3, 1), (4, 3, 2), (2, 2, 1)])
+def test_live_engine_load_survives_a_step(tmp_path, world, stage, hpz):
+    """ZeRO-3 (hpZ in the last case), and a ZeRO-2 engine whose bf16 masters need refreshing too."""
     state = models.state_with_seed(MLP, seed=7)
     path = tmp_path / "model.safetensors"
     save_file(state, str(path))
-    assert run_world(world, _engine_rank_body, path, hpz) == list(range(world))
+    assert run_world(world, _engine_rank_body, path, stage, hpz) == list(range(world))

@@ -41,7 +41,7 @@ class _Run:
 class _Reader:
     def __init__(self, destinations: list[torch.Tensor], staging_bytes: int, staged_total: int):
         self.destinations = destinations
-        self.capacity = max(_ALIGN, min(staging_bytes, staged_total + _ALIGN))
+        self.capacity = max(_ALIGN, min(staging_bytes, staged_total))
         self.staging = None
         self.position = 0
         self.segments: list[Segment] = []
@@ -67,6 +67,8 @@ class _Reader:
         run.nbytes += len(buffer)
 
     def add(self, item: ReadItem) -> None:
+        if item.numel == 0:
+            return  # preadv of nothing would look like end of file
         dst = self.destinations[item.target]
         src_dtype = getattr(torch, item.src_dtype)
         if dst.device.type == "cpu" and dst.dtype == src_dtype:
@@ -123,7 +125,7 @@ class _Reader:
 def execute(items: list[ReadItem], destinations: list[torch.Tensor],
             staging_bytes: int = DEFAULT_STAGING_BYTES) -> int:
     """Read every item into its flat destination; returns the number of bytes read."""
-    staged_total = sum(i.nbytes for i in items)
+    staged_total = sum(i.nbytes + _ALIGN for i in items)  # an upper bound, alignment included
     reader = _Reader(destinations, staging_bytes, staged_total)
     try:
         for item in sorted(items, key=lambda i: (i.file, i.offset)):

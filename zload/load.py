@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -32,9 +33,8 @@ class ZloadWarning(UserWarning):
 
 def _unwrap(model):
     """(module, engine or None) for an nn.Module or a DeepSpeedEngine."""
-    from deepspeed import DeepSpeedEngine
-
-    if isinstance(model, DeepSpeedEngine):
+    deepspeed = sys.modules.get("deepspeed")  # not imported: cannot be an engine; stay light
+    if deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine):
         return model.module, model
     if isinstance(model, torch.nn.Module):
         return model, None
@@ -54,20 +54,25 @@ def _problems_of(stage: str, call) -> tuple[object, list[tuple[str, str]]]:
 
 @contextmanager
 def _engine_writes(engine):
-    """Keep a live ZeRO-3 engine consistent around in-place writes into its partitions."""
+    """Keep a live engine consistent around in-place writes into its (partitioned) parameters.
+
+    ZeRO-3 needs persistent parameters partitioned first and re-gathered after; every optimizer
+    that keeps fp32 masters (ZeRO-1/2/3, bf16, fp16) must refresh them, or its next step would
+    write the old weights back.
+    """
     optimizer = getattr(engine, "optimizer", None)
-    if optimizer is None or not hasattr(optimizer, "checkpoint_event_prologue"):
-        yield
-        return
-    optimizer.checkpoint_event_prologue()  # partition persistent (replicated) parameters
+    prologue = getattr(optimizer, "checkpoint_event_prologue", None)
+    if prologue:
+        prologue()  # partition persistent (replicated) parameters
     ok = False
     try:
         yield
         ok = True
     finally:
-        if ok:
-            optimizer.refresh_fp32_params()  # fp32 masters <- the partitions just written
-        optimizer.checkpoint_event_epilogue()  # drop hpZ secondaries, re-gather persistent params
+        if ok and hasattr(optimizer, "refresh_fp32_params"):
+            optimizer.refresh_fp32_params()  # fp32 masters <- the weights just written
+        if prologue:
+            optimizer.checkpoint_event_epilogue()  # drop hpZ secondaries, re-gather persistent params
 
 
 def _destinations(plan: LoadPlan) -> list[torch.Tensor | None]:

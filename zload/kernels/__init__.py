@@ -10,7 +10,9 @@ from .torch_scatter import Segment, scatter_cast_torch
 def scatter_cast(staging, segments, destinations) -> None:
     """Copy each ``Segment`` of the uint8 ``staging`` tensor into ``destinations[seg.dst]``.
 
-    ``destinations`` are flat (1-D) tensors; values are converted as ``tensor.to(dtype)`` does.
+    ``destinations`` are flat (1-D) tensors; values are converted as ``tensor.to(dtype)`` does
+    (NaN payloads from float16 excepted: torch itself gives them different bits in vectorised
+    and scalar loops, so only "is NaN" is preserved for them).
     """
     scatter_cast_torch(staging, segments, destinations)
 
