@@ -1,4 +1,4 @@
-"""zload: load and save safetensors checkpoints straight into DeepSpeed ZeRO-3 partitions.
+"""zload: load safetensors checkpoints straight into DeepSpeed ZeRO-3 partitions.
 
 Each rank reads only the bytes of the partitions it owns; nothing is gathered.
 """
