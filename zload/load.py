@@ -22,7 +22,7 @@ from .execute import DEFAULT_STAGING_BYTES, execute
 from .index import open_checkpoint
 from .plan import LoadPlan, make_plan
 from .report import LoadReport
-from .targets import ORPHAN, PARTITION, collect_targets, zero_sibling
+from .targets import ORPHAN, PARTITION, collect_targets, zero_partition, zero_sibling
 
 logger = logging.getLogger("zload")
 
@@ -94,7 +94,7 @@ def _write(plan: LoadPlan, dests, staging_bytes: int) -> int:
     for i in plan.sources:
         target = plan.targets[i]
         if target.kind == PARTITION:
-            dests[i][target.partition.valid:].zero_()  # padding is uninitialised memory
+            _zero_padding(target.tensor)
             target.tensor.ds_secondary_tensor = None  # stale hpZ copy; rebuilt on next partition
     return bytes_read
 
@@ -108,6 +108,12 @@ def _repair_orphans(module, plan: LoadPlan, dests) -> None:
         param = target.tensor
         param.data = dests[i].view(entry.shape)
         zero_sibling(module, target.name).convert_to_zero_parameters([param])
+        _zero_padding(param)
+
+
+def _zero_padding(param) -> None:
+    """DeepSpeed allocates partition padding uninitialised; make it zeros."""
+    param.ds_tensor.data.view(-1)[zero_partition(param).valid:].zero_()
 
 
 def load_into(model, path: str | os.PathLike, *, strict: bool = True,

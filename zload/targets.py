@@ -76,11 +76,16 @@ def _zero_partition_problem(param, live_engine: bool) -> str | None:
     return None
 
 
-def _zero_target(names, param, live_engine: bool) -> Target:
+def zero_partition(param) -> Partition:
+    """This rank's partition of ZeRO-3 parameter ``param`` in its own process group."""
     import torch.distributed as dist
 
     group = param.ds_process_group
-    part = Partition(param.ds_numel, dist.get_world_size(group=group), dist.get_rank(group=group))
+    return Partition(param.ds_numel, dist.get_world_size(group=group), dist.get_rank(group=group))
+
+
+def _zero_target(names, param, live_engine: bool) -> Target:
+    part = zero_partition(param)
     problem = _zero_partition_problem(param, live_engine)
     if problem is None and param.ds_tensor.ds_numel != part.size:
         problem = (f"has a {param.ds_tensor.ds_numel}-element partition where ceil({part.numel}/"
