@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 from zload import CheckpointError, open_checkpoint
 from zload.index import DTYPES, MAX_HEADER_BYTES, read_header
 
+from .checkpoints import save_sharded
+
 
 def raw_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -108,27 +110,12 @@ def test_directory_with_one_oddly_named_file(tmp_path):
     assert_index_matches_files(open_checkpoint(str(tmp_path)), tensors)
 
 
-def write_sharded(folder, tensors: dict[str, torch.Tensor], shards: int,
-                  index_name: str = "model.safetensors.index.json") -> dict[str, str]:
-    """A save_pretrained-style folder: round-robin shards plus an index with a weight_map."""
-    names = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        shard = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[s::shards]}
-        save_file(part, str(folder / shard), metadata={"format": "pt"})
-        weight_map.update({n: shard for n in part})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total},
-                                                 "weight_map": weight_map}))
-    return weight_map
-
-
 @pytest.mark.parametrize("via", ["directory", "index_json"])
 def test_sharded_checkpoint(tmp_path, via):
     """Index + shards, opened by folder or by the index file: tensors come from the right shard."""
     tensors = random_tensors(3, NAMES)
-    weight_map = write_sharded(tmp_path, tensors, shards=3)
+    save_sharded(tensors, tmp_path, shards=3)
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
     # A stray single file next to the index must not be preferred over the index.
     save_file({"stray": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     index = open_checkpoint(tmp_path if via == "directory"
@@ -294,7 +281,7 @@ def _corrupt_shards(folder, how: str) -> tuple[str, str | None]:
                                  "not_in_weight_map", "in_two_shards", "bad_shard_header"])
 def test_inconsistent_shards_are_refused(tmp_path, how):
     """Index and shards must agree exactly; the error names the shard and the tensor."""
-    write_sharded(tmp_path, random_tensors(4, NAMES), shards=2)
+    save_sharded(random_tensors(4, NAMES), tmp_path, shards=2)
     open_checkpoint(tmp_path)  # valid before the corruption
     shard, tensor = _corrupt_shards(tmp_path, how)
     with pytest.raises(CheckpointError) as err:
