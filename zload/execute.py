@@ -16,6 +16,7 @@ import torch
 from .errors import CheckpointError
 from .kernels import Segment, scatter_cast
 from .plan import ReadItem
+from .progress import Progress
 
 DEFAULT_STAGING_BYTES = 64 << 20
 _ALIGN = 64  # staging placement; keeps every dtype view aligned
@@ -39,8 +40,10 @@ class _Run:
 
 
 class _Reader:
-    def __init__(self, destinations: list[torch.Tensor], staging_bytes: int, staged_total: int):
+    def __init__(self, destinations: list[torch.Tensor], staging_bytes: int, staged_total: int,
+                 progress: Progress | None = None):
         self.destinations = destinations
+        self.progress = progress or Progress()
         self.capacity = max(_ALIGN, min(staging_bytes, staged_total))
         self.staging = None
         self.position = 0
@@ -111,6 +114,7 @@ class _Reader:
                                       "(was the file changed during the load?)")
             offset += got
             self.bytes_read += got
+            self.progress.update(got)
             while buffers and got >= len(buffers[0]):
                 got -= len(buffers[0])
                 buffers = buffers[1:]
@@ -123,10 +127,10 @@ class _Reader:
 
 
 def execute(items: list[ReadItem], destinations: list[torch.Tensor],
-            staging_bytes: int = DEFAULT_STAGING_BYTES) -> int:
+            staging_bytes: int = DEFAULT_STAGING_BYTES, progress: Progress | None = None) -> int:
     """Read every item into its flat destination; returns the number of bytes read."""
     staged_total = sum(i.nbytes + _ALIGN for i in items)  # an upper bound, alignment included
-    reader = _Reader(destinations, staging_bytes, staged_total)
+    reader = _Reader(destinations, staging_bytes, staged_total, progress)
     try:
         for item in sorted(items, key=lambda i: (i.file, i.offset)):
             reader.add(item)
@@ -134,3 +138,18 @@ def execute(items: list[ReadItem], destinations: list[torch.Tensor],
     finally:
         reader.close()
     return reader.bytes_read
+
+
+def read_tensor(entry) -> torch.Tensor:
+    """The whole tensor ``entry`` (an ``index.TensorEntry``), for the conversion slow path."""
+    from .index import DTYPES
+
+    out = torch.empty(entry.nbytes, dtype=torch.uint8)
+    reader = _Reader([out], entry.nbytes, entry.nbytes)
+    try:
+        if entry.nbytes:
+            reader._queue(entry.file, entry.start, _byte_view(out))
+            reader.flush()
+    finally:
+        reader.close()
+    return out.view(getattr(torch, DTYPES[entry.dtype][0])).reshape(entry.shape)

@@ -20,9 +20,12 @@ from .distributed import agree, rank_and_world
 from .errors import ZloadError
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .index import open_checkpoint
+from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
+from .progress import progress_for
 from .report import LoadReport
 from .targets import ORPHAN, PARTITION, collect_targets, zero_partition, zero_sibling
+from .transfer import load_converted
 
 logger = logging.getLogger("zload")
 
@@ -78,35 +81,33 @@ def _engine_writes(engine):
 def _destinations(plan: LoadPlan) -> list[torch.Tensor | None]:
     """Flat tensors the executor writes into, one per target (None where nothing is loaded)."""
     dests: list[torch.Tensor | None] = [None] * len(plan.targets)
-    for i, entry in plan.sources.items():
+    for i, source in plan.sources.items():
         target = plan.targets[i]
         if target.kind == PARTITION:
             dests[i] = target.tensor.ds_tensor.data.view(-1)
         elif target.kind == ORPHAN:
-            dests[i] = torch.empty(entry.numel, dtype=getattr(torch, target.dtype))
+            dests[i] = torch.empty(source.shape, dtype=getattr(torch, target.dtype)).view(-1)
         else:
             dests[i] = target.tensor.data.view(-1)
     return dests
 
 
-def _write(plan: LoadPlan, dests, staging_bytes: int) -> int:
-    bytes_read = execute(plan.items, dests, staging_bytes)
+def _finish_partitions(plan: LoadPlan) -> None:
     for i in plan.sources:
         target = plan.targets[i]
         if target.kind == PARTITION:
             _zero_padding(target.tensor)
             target.tensor.ds_secondary_tensor = None  # stale hpZ copy; rebuilt on next partition
-    return bytes_read
 
 
 def _repair_orphans(module, plan: LoadPlan, dests) -> None:
     """Turn loaded orphans into ZeRO-3 parameters (a broadcast in the sibling's group)."""
-    for i, entry in sorted(plan.sources.items()):
+    for i, source in sorted(plan.sources.items()):
         target = plan.targets[i]
         if target.kind != ORPHAN:
             continue
         param = target.tensor
-        param.data = dests[i].view(entry.shape)
+        param.data = dests[i].view(source.shape)
         zero_sibling(module, target.name).convert_to_zero_parameters([param])
         _zero_padding(param)
 
@@ -116,15 +117,19 @@ def _zero_padding(param) -> None:
     param.ds_tensor.data.view(-1)[zero_partition(param).valid:].zero_()
 
 
-def load_into(model, path: str | os.PathLike, *, strict: bool = True,
-              staging_bytes: int = DEFAULT_STAGING_BYTES) -> LoadReport:
+def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: KeyMap | None = None,
+              progress: bool | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> LoadReport:
     """Load a safetensors checkpoint into ``model`` in place, each rank reading only its bytes.
 
     ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not) or a
     ``DeepSpeedEngine``. ``path`` is a ``.safetensors`` file, an index ``.json``, or a directory
     holding ``model.safetensors`` or ``model.safetensors.index.json`` with its shards.
     With ``strict`` model tensors missing from the checkpoint are an error; checkpoint tensors the
-    model lacks are only reported. Must be called by every rank. Raises ``ZloadError`` (the same
+    model lacks are only reported. ``key_map`` renames checkpoint tensors before matching: a dict
+    of regex -> replacement applied in order, or a callable (returning None drops a tensor).
+    Names are also matched through transformers' conversion mapping (for a ``PreTrainedModel``),
+    PEFT adapter names (for a ``PeftModel``) and one added or removed leading module prefix.
+    ``progress``: a progress bar on rank 0 for loads longer than a second (None: only on a terminal). Must be called by every rank. Raises ``ZloadError`` (the same
     on every rank) and leaves the model untouched when the checkpoint does not fit the model.
     """
     started = time.perf_counter()
@@ -134,7 +139,9 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True,
 
     def plan_load() -> LoadPlan:
         index = open_checkpoint(source)
-        return make_plan(index, collect_targets(module, engine is not None), strict=strict)
+        targets = collect_targets(module, engine is not None)
+        matching = match(index, targets, module, key_map)
+        return make_plan(index, targets, strict=strict, matching=matching)
 
     plan, problems = _problems_of("planning", plan_load)
     if plan is not None:
@@ -143,13 +150,17 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True,
 
     dests = _destinations(plan)
     with _engine_writes(engine):
-        bytes_read, problems = _problems_of("writing", lambda: _write(plan, dests, staging_bytes))
+        with progress_for(plan.bytes_to_read, rank=rank, enabled=progress) as bar:
+            bytes_read, problems = _problems_of(
+                "reading", lambda: execute(plan.items, dests, staging_bytes, bar))
         agree(problems, f"zload: loading {source} failed part-way; the model is partly written")
+        bytes_read += load_converted(plan, dests)
+        _finish_partitions(plan)
         _repair_orphans(module, plan, dests)
 
     report = LoadReport(source, rank, world, plan.loaded, plan.missing, plan.unexpected,
-                        plan.conversions, plan.orphans, bytes_read, plan.checkpoint_bytes,
-                        time.perf_counter() - started)
+                        plan.conversions, plan.orphans, [plan.targets[i].name for i in plan.slow],
+                        bytes_read, plan.checkpoint_bytes, time.perf_counter() - started)
     _warn(report)
     logger.info("%s", report)
     return report

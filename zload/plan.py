@@ -1,4 +1,4 @@
-"""Plan: join the checkpoint index with the model's targets into byte-range reads.
+"""Plan: join the model's targets with their checkpoint sources into byte-range reads.
 
 Pure and deterministic: given the same index and targets every rank computes the same problems
 in the same order, which is what lets ranks agree on an error before anything is written.
@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-from .index import DTYPES, CheckpointIndex, TensorEntry
+from .index import DTYPES, CheckpointIndex
+from .names import Matching, Source, match
 from .targets import ORPHAN, PARTITION, Target
 
 _FLOATING = {"float16", "bfloat16", "float32", "float64"}
@@ -37,7 +38,8 @@ class LoadPlan:
     source: str = ""
     checkpoint_bytes: int = 0
     items: list[ReadItem] = field(default_factory=list)
-    sources: dict[int, TensorEntry] = field(default_factory=dict)  # target index -> its tensor
+    sources: dict[int, Source] = field(default_factory=dict)  # target index -> its source
+    slow: list[int] = field(default_factory=list)  # targets built by a conversion on one rank
     loaded: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
@@ -50,64 +52,75 @@ class LoadPlan:
         return sum(item.nbytes for item in self.items)
 
 
-def _source_for(target: Target, index: CheckpointIndex) -> TensorEntry | None:
-    for name in target.names:
-        if name in index.tensors:
-            return index.tensors[name]
-    return None
-
-
-def _compatibility_problem(target: Target, entry: TensorEntry) -> str | None:
-    src = DTYPES[entry.dtype][0]
-    if src != target.dtype and not (src in _FLOATING and target.dtype in _FLOATING):
-        return f"checkpoint dtype {entry.dtype} cannot be cast to the model's {target.dtype}"
-    if target.kind != ORPHAN and entry.shape != target.shape:
+def _compatibility_problem(target: Target, source: Source) -> str | None:
+    for entry in source.entries:
+        src = DTYPES[entry.dtype][0]
+        if src != target.dtype and not (src in _FLOATING and target.dtype in _FLOATING):
+            return f"checkpoint dtype {entry.dtype} cannot be cast to the model's {target.dtype}"
+    if target.kind != ORPHAN and source.shape != target.shape:
         hint = ""
-        if prod(target.shape) == 0 and entry.numel > 0:
+        if prod(target.shape) == 0 and prod(source.shape) > 0:
             hint = (" (a parameter re-created after zero.Init and converted by deepspeed.initialize? "
                     "call zload.load_into before deepspeed.initialize so zload can repair it)")
-        return f"checkpoint shape {list(entry.shape)} != model shape {list(target.shape)}{hint}"
+        return f"checkpoint shape {list(source.shape)} != model shape {list(target.shape)}{hint}"
     return None
 
 
-def _reads(target: Target, index: int, entry: TensorEntry) -> ReadItem | None:
-    """The single contiguous byte range of ``entry`` this rank needs for ``target``."""
+def _reads(target: Target, index: int, source: Source) -> list[ReadItem]:
+    """The byte ranges of the checkpoint this rank needs for ``target``: for a ZeRO-3 partition
+    only the elements it owns, which is one contiguous range of each piece."""
     if target.kind == PARTITION:
-        first, count = target.partition.start, target.partition.valid
+        low, high = target.partition.start, target.partition.start + target.partition.valid
     else:
-        first, count = 0, entry.numel
-    if count == 0:
-        return None
-    size = entry.itemsize
-    return ReadItem(entry.file, entry.start + first * size, count * size, DTYPES[entry.dtype][0],
-                    index, 0, count)
+        low, high = 0, prod(source.shape)
+    items = []
+    for piece in source.pieces:
+        first, last = max(low, piece.dst_offset), min(high, piece.dst_offset + piece.numel)
+        if first >= last:
+            continue
+        entry, size = piece.entry, piece.entry.itemsize
+        offset = entry.start + (piece.src_offset + first - piece.dst_offset) * size
+        items.append(ReadItem(entry.file, offset, (last - first) * size, DTYPES[entry.dtype][0],
+                              index, first - low, last - first))
+    return items
 
 
-def make_plan(index: CheckpointIndex, targets: list[Target], *, strict: bool = True) -> LoadPlan:
-    """Match every target to a checkpoint tensor and list the reads; never raises for bad input."""
-    plan = LoadPlan(targets, index.source, index.total_bytes)
-    claimed: set[str] = set()
+def _describe(target: Target, source: Source) -> str:
+    files = sorted({e.file for e in source.entries}) or ["(converted)"]
+    return f"'{target.name}' ({', '.join(files)}, tensor {', '.join(repr(n) for n in source.names)})"
+
+
+def make_plan(index: CheckpointIndex, targets: list[Target], *, strict: bool = True,
+              matching: Matching | None = None) -> LoadPlan:
+    """List every read this rank needs and every problem; never raises for bad input.
+
+    ``matching`` (from ``names.match``) says which checkpoint bytes feed which target; by default
+    names are matched as they are.
+    """
+    matching = matching or match(index, targets)
+    plan = LoadPlan(targets, index.source, index.total_bytes, unexpected=matching.unexpected,
+                    problems=list(matching.problems))
     for i, target in enumerate(targets):
-        claimed.update(target.names)
-        entry = _source_for(target, index)
-        if entry is None:
-            if target.required:
+        source = matching.sources.get(i)
+        if source is None:
+            if target.required and (matching.required is None or i in matching.required):
                 plan.missing.append(target.name)
             continue
-        problem = target.problem or _compatibility_problem(target, entry)
+        problem = target.problem or _compatibility_problem(target, source)
         if problem:
-            plan.problems.append(f"'{target.name}' ({entry.file}, tensor '{entry.name}'): {problem}")
+            plan.problems.append(f"{_describe(target, source)}: {problem}")
             continue
-        plan.sources[i] = entry
+        plan.sources[i] = source
         plan.loaded.append(target.name)
         if target.kind == ORPHAN:
             plan.orphans.append(target.name)
-        if DTYPES[entry.dtype][0] != target.dtype:
-            plan.conversions.setdefault(f"{entry.dtype}->{target.dtype}", []).append(target.name)
-        item = _reads(target, i, entry)
-        if item is not None:
-            plan.items.append(item)
-    plan.unexpected = sorted(set(index.tensors) - claimed)
+        for dtype in sorted({e.dtype for e in source.entries}):
+            if DTYPES[dtype][0] != target.dtype:
+                plan.conversions.setdefault(f"{dtype}->{target.dtype}", []).append(target.name)
+        if source.convert is not None:
+            plan.slow.append(i)
+        else:
+            plan.items.extend(_reads(target, i, source))
     if strict and plan.missing:
         shown = ", ".join(plan.missing[:20]) + (" ..." if len(plan.missing) > 20 else "")
         plan.problems.append(f"{len(plan.missing)} model tensors are not in the checkpoint "

@@ -16,8 +16,9 @@ class LoadReport:
 
     ``loaded`` holds model names (the first name of tied weights); ``missing`` model tensors the
     checkpoint lacks; ``unexpected`` checkpoint tensors the model lacks; ``conversions`` maps
-    "FILE_DTYPE->model_dtype" to the names converted; ``bytes_read`` counts file bytes this rank
-    read, which for ZeRO-3 parameters is only its own partitions.
+    "FILE_DTYPE->model_dtype" to the names converted; ``slow_path`` names tensors built by a
+    checkpoint conversion on one rank and sent to the others; ``bytes_read`` counts file bytes this
+    rank read, which for ZeRO-3 parameters is only its own partitions.
     """
 
     source: str
@@ -28,6 +29,7 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     conversions: dict[str, list[str]] = field(default_factory=dict)
     repaired_orphans: list[str] = field(default_factory=list)
+    slow_path: list[str] = field(default_factory=list)
     bytes_read: int = 0
     checkpoint_bytes: int = 0
     seconds: float = 0.0
@@ -42,7 +44,8 @@ class LoadReport:
             f" checkpoint) at {rate:.2f} GB/s",
         ]
         for label, names in (("missing", self.missing), ("unexpected", self.unexpected),
-                             ("repaired orphans", self.repaired_orphans)):
+                             ("repaired orphans", self.repaired_orphans),
+                             ("converted on one rank (slow path)", self.slow_path)):
             if names:
                 lines.append(f"  {label} ({len(names)}): {_names(names)}")
         for pair, names in self.conversions.items():

@@ -1,0 +1,240 @@
+"""The ``zload`` command: look at a checkpoint before a job spends GPU hours loading it.
+
+    zload inspect PATH [--json] [--limit N | --all | --no-tensors]
+    zload plan PATH --world-size N [--json]
+    zload validate PATH
+
+Every command validates the checkpoint exactly as ``load_into`` does (``open_checkpoint`` reads
+and checks every header, and no tensor data). A bad checkpoint prints ``zload: error: ...`` with
+the file and tensor at fault and exits 2, without a traceback; ``validate`` exits 1 instead, so a
+CI script can tell "invalid checkpoint" from "bad command line". Each command builds one plain
+dict, which ``--json`` prints as is and the text output renders, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import Counter
+
+from . import __version__
+from .errors import ZloadError
+from .index import CheckpointIndex, open_checkpoint
+from .progress import human_bytes
+from .targets import Partition
+
+DEFAULT_LIMIT = 50
+
+
+def _natural(name: str) -> list:
+    """Sort key that puts ``layers.2`` before ``layers.10``, as a reader expects."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def inspect_summary(index: CheckpointIndex) -> dict:
+    """Files, totals, dtype histogram and every tensor (in name order) of a valid checkpoint."""
+    tensors = sorted(index.tensors.values(), key=lambda t: _natural(t.name))
+    per_file = Counter(t.file for t in tensors)
+    dtypes: dict[str, dict[str, int]] = {}
+    for t in tensors:
+        entry = dtypes.setdefault(t.dtype, {"tensors": 0, "bytes": 0})
+        entry["tensors"] += 1
+        entry["bytes"] += t.nbytes
+    files = [{"path": f, "bytes": os.path.getsize(f), "tensors": per_file[f]} for f in index.files]
+    return {
+        "source": index.source,
+        "valid": True,
+        "files": files,
+        "tensor_count": len(tensors),
+        "tensor_bytes": index.total_bytes,
+        "file_bytes": sum(f["bytes"] for f in files),
+        "dtypes": dict(sorted(dtypes.items())),
+        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+                     "file": t.file} for t in tensors],
+    }
+
+
+def plan_summary(index: CheckpointIndex, world_size: int) -> dict:
+    """What each of ``world_size`` ranks would read if every tensor were a ZeRO-3 parameter.
+
+    A rank reads only the valid elements of its ``Partition`` of each tensor, as ``load_into``
+    does; buffers and plain parameters (read whole by every rank) are not modelled here.
+    """
+    rank_bytes = [0] * world_size
+    padding = 0
+    largest = None  # (bytes, name, rank) of the biggest single read
+    for t in sorted(index.tensors.values(), key=lambda t: _natural(t.name)):
+        for rank in range(world_size):
+            part = Partition(t.numel, world_size, rank)
+            nbytes = part.valid * t.itemsize
+            rank_bytes[rank] += nbytes
+            padding += part.size - part.valid
+            if largest is None or nbytes > largest[0]:
+                largest = (nbytes, t.name, rank)
+    most, least = max(rank_bytes), min(rank_bytes)
+    return {
+        "source": index.source,
+        "world_size": world_size,
+        "tensor_bytes": index.total_bytes,
+        "rank_bytes": rank_bytes,
+        "max_rank_bytes": most,
+        "min_rank_bytes": least,
+        # null when some rank reads nothing (more ranks than elements): the ratio is unbounded
+        "max_min_ratio": most / least if least else (1.0 if not most else None),
+        "largest_partition": (None if largest is None else
+                              {"name": largest[1], "bytes": largest[0], "rank": largest[2]}),
+        "padding_elements": padding,
+    }
+
+
+def _exact(nbytes: int) -> str:
+    """Human and exact: ``"1.23 MB (1,234,567 bytes)"``, for totals someone may compare."""
+    text = human_bytes(nbytes)
+    return text if text.endswith(" B") else f"{text} ({nbytes:,} bytes)"
+
+
+def _table(rows: list[tuple], right: tuple[int, ...] = ()) -> list[str]:
+    """Rows of cells as aligned lines; columns in ``right`` are right-aligned (numbers)."""
+    rows = [tuple(str(c) for c in row) for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))] if rows else []
+    return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                             for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+            for row in rows]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def render_inspect(summary: dict, limit: int | None) -> list[str]:
+    """The text of ``zload inspect``; ``limit`` caps the tensor table (None: every tensor)."""
+    lines = [f"source: {summary['source']}", f"files: {len(summary['files'])}"]
+    lines += _table([(os.path.basename(f["path"]), human_bytes(f["bytes"]),
+                      _plural(f["tensors"], "tensor")) for f in summary["files"]], right=(1, 2))
+    lines += [f"tensors: {summary['tensor_count']}",
+              f"tensor bytes: {_exact(summary['tensor_bytes'])}",
+              f"on disk: {_exact(summary['file_bytes'])}",
+              "dtypes:"]
+    lines += _table([(dtype, _plural(d["tensors"], "tensor"), human_bytes(d["bytes"]))
+                     for dtype, d in summary["dtypes"].items()], right=(1, 2))
+    tensors = summary["tensors"]
+    shown = tensors if limit is None else tensors[:limit]
+    if shown:
+        lines.append("tensors:" if len(shown) == len(tensors) else
+                     f"tensors (first {len(shown)} of {len(tensors)}):")
+        lines += _table([("name", "dtype", "shape", "size", "file")] +
+                        [(t["name"], t["dtype"], str(t["shape"]), human_bytes(t["bytes"]),
+                          os.path.basename(t["file"])) for t in shown], right=(3,))
+    if len(shown) < len(tensors):
+        lines.append(f"  ... {len(tensors) - len(shown)} more (--all to list every tensor)")
+    lines.append("valid: yes")
+    return lines
+
+
+def render_plan(summary: dict) -> list[str]:
+    """The text of ``zload plan``."""
+    ratio = summary["max_min_ratio"]
+    largest = summary["largest_partition"]
+    lines = [f"source: {summary['source']}",
+             f"world size: {summary['world_size']} (every tensor as a ZeRO-3 parameter)",
+             "bytes read per rank:"]
+    lines += _table([(f"rank {rank}", human_bytes(nbytes), f"{nbytes:,}")
+                     for rank, nbytes in enumerate(summary["rank_bytes"])], right=(1, 2))
+    lines += [f"total: {_exact(summary['tensor_bytes'])}",
+              "max/min across ranks: " + (f"{ratio:.3f}" if ratio is not None
+                                          else "unbounded (some rank reads nothing)")]
+    if largest is not None:
+        lines.append(f"largest partition: {largest['name']} {_exact(largest['bytes'])} "
+                     f"on rank {largest['rank']}")
+    lines.append(f"padding: {_plural(summary['padding_elements'], 'element')}")
+    return lines
+
+
+def _at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum``, with a message that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zload", description="Inspect, validate and plan loads of safetensors checkpoints.",
+        epilog="PATH is a .safetensors file, an index .json, or a directory holding either.")
+    parser.add_argument("--version", action="version", version=f"zload {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    inspect = commands.add_parser("inspect", help="files, dtypes, shapes and sizes of a checkpoint")
+    inspect.add_argument("path", metavar="PATH")
+    inspect.add_argument("--json", action="store_true", help="print a JSON object instead "
+                         "(it lists every tensor unless --no-tensors)")
+    shown = inspect.add_mutually_exclusive_group()
+    shown.add_argument("--limit", type=_at_least(0), default=DEFAULT_LIMIT, metavar="N",
+                       help=f"list the first N tensors (default {DEFAULT_LIMIT}; text output only)")
+    shown.add_argument("--all", dest="limit", action="store_const", const=None,
+                       help="list every tensor")
+    shown.add_argument("--no-tensors", dest="limit", action="store_const", const=0,
+                       help="leave out the tensor list")
+
+    plan = commands.add_parser("plan", help="bytes each rank would read under ZeRO-3")
+    plan.add_argument("path", metavar="PATH")
+    plan.add_argument("--world-size", "-n", type=_at_least(1), required=True, metavar="N")
+    plan.add_argument("--json", action="store_true", help="print a JSON object instead")
+
+    validate = commands.add_parser("validate", help="check every header; exit 0 if valid, 1 if not")
+    validate.add_argument("path", metavar="PATH")
+    return parser
+
+
+def _run(args) -> int:
+    if args.command == "validate":
+        try:
+            index = open_checkpoint(args.path)
+        except ZloadError as e:
+            print(f"zload: invalid: {e}", file=sys.stderr)
+            return 1
+        print(f"valid: {index.source} ({_plural(len(index.tensors), 'tensor')}, "
+              f"{human_bytes(index.total_bytes)} in {_plural(len(index.files), 'file')})")
+        return 0
+    index = open_checkpoint(args.path)
+    if args.command == "inspect":
+        summary = inspect_summary(index)
+        if args.json and args.limit == 0:
+            del summary["tensors"]
+        lines = [json.dumps(summary, indent=2)] if args.json else render_inspect(summary, args.limit)
+    else:
+        summary = plan_summary(index, args.world_size)
+        lines = [json.dumps(summary, indent=2)] if args.json else render_plan(summary)
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``zload`` command line; returns the exit status (also for argparse errors)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors: argparse has printed the message
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+    try:
+        return _run(args)
+    except (ZloadError, OSError) as e:  # e.g. a shard removed between indexing and getsize
+        if isinstance(e, BrokenPipeError):
+            return _stdout_closed()
+        print(f"zload: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _stdout_closed() -> int:
+    """``zload inspect big | head``: the reader left early. Exit quietly, as Unix tools do,
+    pointing stdout at /dev/null so that Python's flush at exit does not complain again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1

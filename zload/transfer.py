@@ -1,0 +1,82 @@
+"""Tensors that only one rank builds, sent to the ranks that need them.
+
+Some transformers conversions cannot be described as byte ranges of the checkpoint (a transpose,
+a permutation). For those, one reader rank (round robin over the tensors) reads the inputs whole,
+converts, and sends each rank its own partition; every rank takes part in the same order.
+"""
+
+from __future__ import annotations
+
+import traceback
+from math import prod
+
+import torch
+import torch.distributed as dist
+
+from .distributed import agree, rank_and_world
+from .execute import read_tensor
+from .plan import LoadPlan
+from .targets import PARTITION
+
+
+def _build(source, dtype) -> tuple[torch.Tensor | None, list]:
+    """Run the conversion; turn a failure into a problem so the other ranks are not left waiting."""
+    try:
+        tensor = source.convert(read_tensor).to(dtype).reshape(-1).contiguous()
+    except Exception as e:
+        traceback.print_exc()
+        return None, [("ZloadError", f"converting {list(source.names)} failed: {type(e).__name__}: {e}")]
+    if tensor.numel() != prod(source.shape):
+        return None, [("ZloadError", f"converting {list(source.names)} gave {tensor.numel()} elements, "
+                                     f"expected shape {list(source.shape)}")]
+    return tensor, []
+
+
+def load_converted(plan: LoadPlan, dests: list[torch.Tensor]) -> int:
+    """Build every slow-path target on its reader rank and deliver it; returns bytes read here."""
+    rank, world = rank_and_world()
+    bytes_read = 0
+    for k, i in enumerate(plan.slow):
+        target, source, dst = plan.targets[i], plan.sources[i], dests[i]
+        reader = k % world
+        tensor, problems = None, []
+        if rank == reader:
+            tensor, problems = _build(source, dst.dtype)
+            bytes_read += sum(e.nbytes for e in source.entries)
+        agree(problems, f"zload: converting '{target.name}' failed; the model is partly written")
+        if target.kind == PARTITION:
+            _deliver_partition(target, tensor, dst, reader)
+        else:
+            if world > 1:
+                if tensor is None:
+                    tensor = torch.empty(prod(source.shape), dtype=dst.dtype)
+                dist.broadcast(tensor, src=reader)
+            dst.copy_(tensor)
+    return bytes_read
+
+
+def _deliver_partition(target, tensor, dst: torch.Tensor, reader: int) -> None:
+    """Each rank receives only its own partition (a scatter), unless the parameter's process
+    group is smaller than the world: then every rank receives the tensor and keeps its slice."""
+    part = target.partition
+    rank, world = rank_and_world()
+    mine = slice(part.start, part.start + part.valid)
+    if world == 1:
+        dst[:part.valid].copy_(tensor[mine])
+        return
+    group = target.tensor.ds_process_group
+    if dist.get_world_size(group) != world:
+        full = tensor if tensor is not None else torch.empty(part.numel, dtype=dst.dtype)
+        full = full.to(dst.device)
+        dist.broadcast(full, src=reader)
+        dst[:part.valid].copy_(full[mine])
+        return
+    chunks = None
+    if rank == reader:
+        padded = torch.zeros(part.size * part.world, dtype=dst.dtype, device=dst.device)
+        padded[:part.numel] = tensor
+        by_partition = padded.split(part.size)
+        chunks = [by_partition[dist.get_group_rank(group, g)] for g in range(world)]
+    received = torch.empty(part.size, dtype=dst.dtype, device=dst.device)
+    dist.scatter(received, chunks, src=reader)
+    dst.copy_(received)
