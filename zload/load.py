@@ -19,6 +19,7 @@ import torch
 from .distributed import agree, rank_and_world
 from .errors import ZloadError
 from .execute import DEFAULT_STAGING_BYTES, execute
+from .hub import resolve_checkpoint
 from .index import open_checkpoint
 from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
@@ -118,12 +119,14 @@ def _zero_padding(param) -> None:
 
 
 def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: KeyMap | None = None,
-              progress: bool | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> LoadReport:
+              revision: str | None = None, progress: bool | None = None,
+              staging_bytes: int = DEFAULT_STAGING_BYTES) -> LoadReport:
     """Load a safetensors checkpoint into ``model`` in place, each rank reading only its bytes.
 
     ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not) or a
     ``DeepSpeedEngine``. ``path`` is a ``.safetensors`` file, an index ``.json``, or a directory
-    holding ``model.safetensors`` or ``model.safetensors.index.json`` with its shards.
+    holding ``model.safetensors`` or ``model.safetensors.index.json`` with its shards, or a Hub
+    repo id (at ``revision``), downloaded once per node into the Hugging Face cache.
     With ``strict`` model tensors missing from the checkpoint are an error; checkpoint tensors the
     model lacks are only reported. ``key_map`` renames checkpoint tensors before matching: a dict
     of regex -> replacement applied in order, or a callable (returning None drops a tensor).
@@ -135,7 +138,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     started = time.perf_counter()
     rank, world = rank_and_world()
     module, engine = _unwrap(model)
-    source = os.fspath(path)
+    source = resolve_checkpoint(path, revision)
 
     def plan_load() -> LoadPlan:
         index = open_checkpoint(source)

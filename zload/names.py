@@ -285,7 +285,7 @@ def match(index: CheckpointIndex, targets: list[Target], module=None,
     used: set[str] = set()
 
     def assign(i: int, source: Source) -> None:
-        if i in sources and set(source.names) <= set(targets[i].names):
+        if i in sources and set(source.names + sources[i].names) <= set(targets[i].names):
             used.update(source.names)  # a tied weight stored under more than one of its names
             return
         if i in sources:

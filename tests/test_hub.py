@@ -1,0 +1,220 @@
+"""Hub repo ids resolved through a hand-made huggingface_hub cache; never a network call.
+
+The cache is laid out exactly as huggingface_hub writes it (``models--ORG--NAME/refs/main`` holding
+a commit hash, ``snapshots/<hash>/`` holding the files, ``trees/<hash>.json`` listing the repo), and
+HF_HUB_OFFLINE is on, so huggingface_hub refuses any request before it is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+import zload
+from zload.hub import ALLOW_PATTERNS, resolve_checkpoint
+
+from .checkpoints import save_sharded
+from .harness import run_world
+
+REPO = "some-org/tiny-model"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+STATE = {"a.weight": torch.arange(6.0).reshape(2, 3), "b.bias": torch.ones(4)}
+
+
+@contextmanager
+def hub_cache(cache: Path):
+    """Point huggingface_hub at ``cache``, offline, and restore everything after.
+
+    huggingface_hub reads its environment once, at import, into ``huggingface_hub.constants``, so
+    both the variables (for processes that import it later) and the constants are set. Also usable
+    in long-lived rank processes, where monkeypatch is not available.
+    """
+    import huggingface_hub.constants as constants
+
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    consts = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": True}
+    old_env = {k: os.environ.get(k) for k in env}
+    old_consts = {k: getattr(constants, k) for k in consts}
+    os.environ.update(env)
+    for k, v in consts.items():
+        setattr(constants, k, v)
+    try:
+        yield cache
+    finally:
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for k, v in old_consts.items():
+            setattr(constants, k, v)
+
+
+def populate(cache: Path, repo: str = REPO, commit: str = COMMIT) -> Path:
+    """A cached snapshot of ``repo`` at ``commit`` (= refs/main): 2 shards, index, config.
+
+    The tree listing also names ``pytorch_model.bin``, which the snapshot lacks: huggingface_hub
+    would call such a snapshot incomplete, unless allow_patterns leaves the file out.
+    """
+    storage = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = save_sharded(STATE, storage / "snapshots" / commit, shards=2)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text(commit)  # no trailing newline, as huggingface_hub writes
+    files = {p.name: {"size": p.stat().st_size, "blob_id": f"{i:040x}"}
+             for i, p in enumerate(sorted(snapshot.iterdir()))}
+    files["pytorch_model.bin"] = {"size": 10, "blob_id": "f" * 40}
+    (storage / "trees").mkdir()
+    (storage / "trees" / f"{commit}.json").write_text(
+        json.dumps({"format_version": 1, "files": files}))
+    return snapshot
+
+
+@pytest.fixture
+def cache(tmp_path):
+    with hub_cache(tmp_path / "hub") as path:
+        yield path
+
+
+@pytest.fixture
+def snapshot(cache):
+    return populate(cache)
+
+
+# --- single process ---
+
+@pytest.mark.parametrize("revision", [None, "main", COMMIT])
+def test_repo_id_resolves_to_cached_snapshot(snapshot, revision):
+    local = resolve_checkpoint(REPO, revision=revision)
+    assert Path(local) == snapshot
+    index = zload.open_checkpoint(local)
+    assert sorted(index.tensors) == sorted(STATE) and len(index.files) == 2
+
+
+def test_only_safetensors_index_and_configs_are_fetched(snapshot, monkeypatch):
+    import huggingface_hub
+
+    real, calls = huggingface_hub.snapshot_download, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
+    assert Path(resolve_checkpoint(REPO)) == snapshot
+    (kwargs,) = calls
+    assert kwargs["allow_patterns"] == ALLOW_PATTERNS == [
+        "*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json"]
+    assert not kwargs["local_files_only"]
+    # The setup is meaningful: without the patterns the missing pytorch_model.bin is required.
+    with pytest.raises(OSError, match="incomplete"):
+        real(REPO)
+
+
+def test_uncached_revision_is_named(snapshot):
+    with pytest.raises(zload.CheckpointError) as info:
+        resolve_checkpoint(REPO, revision="v2")
+    message = str(info.value)
+    assert REPO in message and "revision v2" in message
+    assert f"hf download {REPO} --revision v2" in message and "HF_HUB_OFFLINE=1" in message
+
+
+def test_unknown_repo_offline_says_how_to_download(cache):
+    with pytest.raises(zload.CheckpointError) as info:
+        resolve_checkpoint("other-org/missing")
+    message = str(info.value)
+    assert "other-org/missing" in message and "revision main" in message
+    assert "HF_HUB_OFFLINE=1 is set" in message and "`hf download other-org/missing`" in message
+
+
+def test_local_paths_are_returned_unchanged(tmp_path):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"")
+    for path in (str(file), str(tmp_path)):
+        assert resolve_checkpoint(path) == path
+    assert resolve_checkpoint(file) == str(file)
+
+
+def test_local_path_with_revision_is_refused(tmp_path):
+    with pytest.raises(zload.CheckpointError, match="revision='main' applies to Hub repo ids only"):
+        resolve_checkpoint(str(tmp_path), revision="main")
+
+
+@pytest.mark.parametrize("path", ["a/b/c/d", "no--such", "./missing.safetensors"])
+def test_missing_path_that_is_no_repo_id(cache, path):
+    with pytest.raises(zload.CheckpointError,
+                       match="no such file or directory, and not a valid Hub repo id"):
+        resolve_checkpoint(path)
+
+
+def test_without_huggingface_hub(monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(zload.CheckpointError, match="install huggingface_hub"):
+        resolve_checkpoint(REPO)
+
+
+def test_zload_imports_without_huggingface_hub():
+    code = "import sys; sys.modules['huggingface_hub'] = None; import zload, zload.hub"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- rank bodies (module level so that spawned ranks can import them) ---
+
+def _resolve_recording(cache):
+    """Resolve REPO, recording which snapshot_download calls this rank made."""
+    import huggingface_hub
+
+    real, calls = huggingface_hub.snapshot_download, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["local_files_only"])
+        return real(*args, **kwargs)
+
+    huggingface_hub.snapshot_download = spy
+    try:
+        with hub_cache(cache):
+            local = resolve_checkpoint(REPO)
+    finally:
+        huggingface_hub.snapshot_download = real
+    return local, calls, sorted(zload.open_checkpoint(local).tensors)
+
+
+def _resolve_error(cache_of_rank, repo):
+    import torch.distributed as dist
+
+    with hub_cache(Path(cache_of_rank[dist.get_rank()])):
+        try:
+            resolve_checkpoint(repo)
+        except zload.CheckpointError as e:
+            return str(e)
+    return None
+
+
+# --- multi-process ---
+
+def test_ranks_share_one_download(snapshot, cache):
+    """Local rank 0 resolves (would download) first; local rank 1 then reads the cache only."""
+    (local0, calls0, names0), (local1, calls1, names1) = run_world(2, _resolve_recording, cache)
+    assert Path(local0) == Path(local1) == snapshot
+    assert calls0 == [False] and calls1 == [True]
+    assert names0 == names1 == sorted(STATE)
+
+
+def test_missing_repo_fails_on_every_rank(cache):
+    messages = run_world(2, _resolve_error, [cache, cache], "other-org/missing")
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "other-org/missing" in messages[0] and "HF_HUB_OFFLINE=1" in messages[0]
+
+
+def test_rank_with_another_cache_fails_on_every_rank(snapshot, cache, tmp_path):
+    """Rank 0 finds the repo, rank 1 looks in a cache it does not share: both raise the same."""
+    messages = run_world(2, _resolve_error, [cache, tmp_path / "elsewhere"], REPO)
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "[rank 1]" in messages[0] and "must share HF_HUB_CACHE" in messages[0]

@@ -1,0 +1,104 @@
+"""Name matching: user key maps, prefix alignment, PEFT names (pure), and their use in a load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import zload
+from zload.index import CheckpointIndex, TensorEntry
+from zload.names import _peft_role, align_prefix, apply_key_map, match
+from zload.targets import FULL, Target
+
+from . import models
+from .harness import run_world
+from .zero3 import build_zero, check_against
+
+
+def test_key_map_regexes_apply_in_order():
+    renamed, problems = apply_key_map(["backbone.l1.w", "head.w"],
+                                      {r"^backbone\.": "encoder.", r"\.l(\d)\.": r".layer\1."})
+    assert renamed == {"backbone.l1.w": "encoder.layer1.w", "head.w": "head.w"} and problems == []
+
+
+def test_key_map_callable_can_drop_tensors():
+    renamed, _ = apply_key_map(["a", "drop.me"], lambda n: None if n.startswith("drop") else "x." + n)
+    assert renamed == {"a": "x.a"}
+
+
+def test_key_map_collision_is_a_problem():
+    _, problems = apply_key_map(["a.w", "b.w"], {r"^[ab]\.": ""})
+    assert problems == ["key_map maps both 'a.w' and 'b.w' to 'w'"]
+
+
+MODEL = dict.fromkeys(["bert.embeddings.word.weight", "bert.encoder.0.weight", "classifier.weight"], 0)
+
+
+def test_prefix_is_added_for_a_base_checkpoint_into_a_model_with_a_head():
+    assert align_prefix(["embeddings.word.weight", "encoder.0.weight"], MODEL) == {
+        "embeddings.word.weight": "bert.embeddings.word.weight",
+        "encoder.0.weight": "bert.encoder.0.weight"}
+
+
+def test_prefix_is_stripped_for_a_head_checkpoint_into_a_base_model():
+    base = {"embeddings.word.weight": 0, "encoder.0.weight": 1}
+    assert align_prefix(["bert.embeddings.word.weight", "bert.encoder.0.weight"], base) == {
+        "bert.embeddings.word.weight": "embeddings.word.weight",
+        "bert.encoder.0.weight": "encoder.0.weight"}
+
+
+def test_ambiguous_prefix_is_not_guessed():
+    model = {"student.w": 0, "teacher.w": 1}
+    assert align_prefix(["w"], model) == {}
+    assert align_prefix(["nothing.like.it"], MODEL) == {}
+
+
+@pytest.mark.parametrize("name,role,aliases", [
+    ("base_model.model.q.lora_A.default.weight", "adapter", ["base_model.model.q.lora_A.weight"]),
+    ("base_model.model.e.lora_embedding_A.default", "adapter", ["base_model.model.e.lora_embedding_A"]),
+    ("base_model.model.q.lora_A.other.weight", "other", []),
+    ("base_model.model.q.base_layer.weight", "base", ["base_model.model.q.weight"]),
+    ("base_model.model.norm.weight", "base", []),
+])
+def test_peft_roles_and_saved_names(name, role, aliases):
+    assert _peft_role(name, "default", "lora_") == (role, aliases)
+
+
+def test_two_checkpoint_tensors_for_one_model_tensor_is_a_problem():
+    """`w` gets the prefix `x.` and so collides with the checkpoint's own `x.w`."""
+    entries = {n: TensorEntry(n, "f", "F32", (2,), 8 * i, 8) for i, n in enumerate(["w", "x.w"])}
+    index = CheckpointIndex("f", ("f",), entries)
+    matching = match(index, [Target(("x.w",), FULL, (2,), "float32", True)])
+    assert matching.problems == ["model tensor 'x.w' is fed by both ['w'] and ['x.w']"]
+
+
+class Wrapped(nn.Module):
+    """A model that nests a checkpointed one under a prefix, as a trainer's wrapper does."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = models.ParamsOnly()
+        self.value_head = nn.Linear(3, 1)
+
+
+def _load_wrapped(path, key_map):
+    model = build_zero(Wrapped)
+    report = zload.load_into(model, path, strict=False, key_map=key_map)
+    expected = {"model." + k.removeprefix("old_"): v for k, v in torch.load(path + ".pt").items()}
+    check_against(model, expected)
+    return sorted(report.loaded), report.missing, report.unexpected
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_key_map_and_prefix_alignment_in_a_zero3_load(tmp_path, world):
+    """Checkpoint names `old_a.weight` etc.: key_map strips `old_`, then `model.` is added."""
+    state = models.state_with_seed(models.ParamsOnly, seed=21)
+    renamed = {"old_" + k: v for k, v in state.items()}
+    path = str(tmp_path / "m.safetensors")
+    save_file(renamed, path)
+    torch.save(renamed, path + ".pt")
+    for loaded, missing, unexpected in run_world(world, _load_wrapped, path, {r"^old_": ""}):
+        assert loaded == sorted("model." + k for k in state)
+        assert missing == ["value_head.weight", "value_head.bias"] and unexpected == []
