@@ -111,18 +111,30 @@ def test_bad_checkpoint_same_error_everywhere(tmp_path, world, corruption):
     assert kind == ("CheckpointError" if corruption in ("truncated", "lying_header") else "PlanError")
 
 
-def test_shard_missing_on_one_rank_only(tmp_path):
+def test_shard_no_rank_can_read(tmp_path):
+    """Node-local copies where every node lacks the same shard: the same error, naming it."""
     state = models.state_with_seed(models.Awkward, seed=9)
     good = save_sharded(state, tmp_path / "node0" / "ckpt", shards=2)
-    shutil.copytree(good, tmp_path / "node1" / "ckpt")
-    gone = _shard_holding(tmp_path / "node1" / "ckpt", "cube")
+    gone = _shard_holding(good, "cube")
     gone.unlink()
+    shutil.copytree(good, tmp_path / "node1" / "ckpt")
     nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "node0"]
     results = run_world(3, _load_expecting_error, "ckpt", nodes, timeout=120)
     assert len(set(results)) == 1, f"ranks disagree: {results}"
     kind, message = results[0]
-    assert kind == "CheckpointError"
-    assert "[rank 1]" in message and gone.name in message and "does not exist" in message, message
+    assert kind == "CheckpointError" and gone.name in message and "no rank can read" in message, message
+
+
+def test_node_copies_that_differ_are_refused(tmp_path):
+    state = models.state_with_seed(models.Awkward, seed=9)
+    save_sharded(state, tmp_path / "node0" / "ckpt", shards=2)
+    save_sharded(dict(state, cube=torch.zeros(13, 17, 3, dtype=torch.float16)), tmp_path / "node1" / "ckpt",
+                 shards=2)
+    results = run_world(2, _load_expecting_error, "ckpt", [tmp_path / "node0", tmp_path / "node1"],
+                        timeout=120)
+    assert len(set(results)) == 1, f"ranks disagree: {results}"
+    kind, message = results[0]
+    assert kind == "CheckpointError" and "differ" in message, message
 
 
 def _load_non_strict(path):

@@ -18,17 +18,27 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def exchange(obj) -> list:
+    """Every rank's ``obj``, in rank order (a list of one without torch.distributed)."""
+    _, world = rank_and_world()
+    if world == 1:
+        return [obj]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def agree(problems: list[tuple[str, str]], what: str) -> None:
-    """Raise on every rank if any rank has problems; ``problems`` holds (error class, message).
+    """Raise on every rank if any rank has problems; ``problems`` holds (error class, message)."""
+    raise_for(exchange(problems), what)
+
+
+def raise_for(gathered: list[list[tuple[str, str]]], what: str) -> None:
+    """Raise if any rank's list of problems (``gathered``, in rank order) is not empty.
 
     The error is the most specific class any rank reported; its message lists every problem once,
     prefixed by the ranks that saw it when not all ranks did.
     """
-    _, world = rank_and_world()
-    gathered = [problems]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, problems)
     seen: dict[tuple[str, str], list[int]] = {}
     for r, rank_problems in enumerate(gathered):
         for problem in rank_problems:
@@ -37,7 +47,7 @@ def agree(problems: list[tuple[str, str]], what: str) -> None:
         return
     lines = []
     for (_, message), ranks in seen.items():
-        prefix = "" if len(ranks) == world else f"[rank {', '.join(map(str, ranks))}] "
+        prefix = "" if len(ranks) == len(gathered) else f"[rank {', '.join(map(str, ranks))}] "
         lines.append(f"  - {prefix}{message}")
     classes = {cls for cls, _ in seen}
     cls = next((getattr(errors, c) for c in ("CheckpointError", "PlanError") if c in classes),

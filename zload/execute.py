@@ -15,12 +15,17 @@ import torch
 
 from .errors import CheckpointError
 from .kernels import Segment, scatter_cast
-from .plan import ReadItem
+from .plan import ReadItem, split_item
 from .progress import Progress
 
 DEFAULT_STAGING_BYTES = 64 << 20
 _ALIGN = 64  # staging placement; keeps every dtype view aligned
 _IOV_MAX = 1024  # buffers per preadv call (Linux IOV_MAX)
+
+
+def align(position: int) -> int:
+    """The first staging offset at or after ``position`` where any dtype view is aligned."""
+    return -(-position // _ALIGN) * _ALIGN
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -78,21 +83,17 @@ class _Reader:
             view = _byte_view(dst[item.dst_offset:item.dst_offset + item.numel])
             self._queue(item.file, item.offset, view)
             return
-        itemsize = src_dtype.itemsize
-        chunk = max(1, (self.capacity - _ALIGN) // itemsize)
-        for first in range(0, item.numel, chunk):
-            count = min(chunk, item.numel - first)
-            start = -(-self.position // _ALIGN) * _ALIGN
-            if start + count * itemsize > self.capacity:
+        for part in split_item(item, self.capacity - _ALIGN):
+            start = align(self.position)
+            if start + part.nbytes > self.capacity:
                 self.flush()
                 start = 0
             if self.staging is None:
                 self.staging = torch.empty(self.capacity, dtype=torch.uint8)
                 self._staging_view = _byte_view(self.staging)
-            self.position = start + count * itemsize
-            self._queue(item.file, item.offset + first * itemsize,
-                        self._staging_view[start:self.position])
-            self.segments.append(Segment(start, src_dtype, count, item.target, item.dst_offset + first))
+            self.position = start + part.nbytes
+            self._queue(part.file, part.offset, self._staging_view[start:self.position])
+            self.segments.append(Segment(start, src_dtype, part.numel, part.target, part.dst_offset))
 
     def flush(self) -> None:
         for run in self.runs:
@@ -140,16 +141,23 @@ def execute(items: list[ReadItem], destinations: list[torch.Tensor],
     return reader.bytes_read
 
 
+def read_ranges(ranges) -> int:
+    """Read each ``(file, offset, writable memoryview)`` completely; returns bytes read."""
+    reader = _Reader([], 0, 0)
+    try:
+        for file, offset, view in ranges:
+            if len(view):
+                reader._queue(file, offset, view)
+        reader.flush()
+    finally:
+        reader.close()
+    return reader.bytes_read
+
+
 def read_tensor(entry) -> torch.Tensor:
     """The whole tensor ``entry`` (an ``index.TensorEntry``), for the conversion slow path."""
     from .index import DTYPES
 
     out = torch.empty(entry.nbytes, dtype=torch.uint8)
-    reader = _Reader([out], entry.nbytes, entry.nbytes)
-    try:
-        if entry.nbytes:
-            reader._queue(entry.file, entry.start, _byte_view(out))
-            reader.flush()
-    finally:
-        reader.close()
+    read_ranges([(entry.file, entry.start, _byte_view(out))])
     return out.view(getattr(torch, DTYPES[entry.dtype][0])).reshape(entry.shape)

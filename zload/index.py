@@ -69,6 +69,8 @@ class CheckpointIndex:
     source: str
     files: tuple[str, ...]
     tensors: Mapping[str, TensorEntry]
+    absent: tuple[str, ...] = ()  # shards the index lists that this machine does not have
+
 
     @property
     def total_bytes(self) -> int:
@@ -177,14 +179,18 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
     return weight_map
 
 
-def _index_from_weight_map(index_path: str) -> CheckpointIndex:
+def _index_from_weight_map(index_path: str, missing_ok: bool) -> CheckpointIndex:
     weight_map = _read_weight_map(index_path)
     folder = os.path.dirname(os.path.abspath(index_path))
     shards = sorted(set(weight_map.values()))
     tensors: dict[str, TensorEntry] = {}
+    absent = []
     for shard in shards:
         shard_path = os.path.join(folder, shard)
         if not os.path.isfile(shard_path):
+            if missing_ok:
+                absent.append(shard_path)
+                continue
             raise CheckpointError(f"{shard_path}: shard listed in {index_path} does not exist")
         for name, entry in read_header(shard_path).items():
             if name in tensors:
@@ -195,10 +201,11 @@ def _index_from_weight_map(index_path: str) -> CheckpointIndex:
                                       f"{index_path}")
             tensors[name] = entry
     for name, shard in weight_map.items():
-        if name not in tensors:
+        if name not in tensors and os.path.join(folder, shard) not in absent:
             raise CheckpointError(f"{os.path.join(folder, shard)}: tensor '{name}' listed in "
                                   f"{index_path} is not in the shard")
-    return CheckpointIndex(index_path, tuple(os.path.join(folder, s) for s in shards), tensors)
+    return CheckpointIndex(index_path, tuple(os.path.join(folder, s) for s in shards), tensors,
+                           tuple(absent))
 
 
 def _resolve(path: str) -> str:
@@ -221,9 +228,13 @@ def _resolve(path: str) -> str:
                           f"{', '.join(indexes + singles) or 'no safetensors files'}")
 
 
-def open_checkpoint(path: str | os.PathLike) -> CheckpointIndex:
-    """Index a checkpoint: a .safetensors file, an index .json, or a directory holding either."""
+def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> CheckpointIndex:
+    """Index a checkpoint: a .safetensors file, an index .json, or a directory holding either.
+
+    ``missing_ok``: shards the index lists but this machine lacks are recorded in ``absent``
+    instead of raising (another node may hold them).
+    """
     start = _resolve(os.fspath(path))
     if start.endswith(".json"):
-        return _index_from_weight_map(start)
+        return _index_from_weight_map(start, missing_ok)
     return CheckpointIndex(start, (os.path.abspath(start),), read_header(os.path.abspath(start)))

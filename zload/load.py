@@ -20,10 +20,10 @@ from .distributed import agree, rank_and_world
 from .errors import ZloadError
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .hub import resolve_checkpoint
-from .index import open_checkpoint
 from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
 from .progress import progress_for
+from .sharing import fetch_remote, share_index
 from .report import LoadReport
 from .targets import ORPHAN, PARTITION, collect_targets, zero_partition, zero_sibling
 from .transfer import load_converted
@@ -139,31 +139,39 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     rank, world = rank_and_world()
     module, engine = _unwrap(model)
     source = resolve_checkpoint(path, revision)
+    refused = f"zload: cannot load {source}; the model was not changed"
+    shared = share_index(source, refused)
 
     def plan_load() -> LoadPlan:
-        index = open_checkpoint(source)
         targets = collect_targets(module, engine is not None)
-        matching = match(index, targets, module, key_map)
-        return make_plan(index, targets, strict=strict, matching=matching)
+        matching = match(shared.index, targets, module, key_map)
+        return make_plan(shared.index, targets, strict=strict, matching=matching)
 
     plan, problems = _problems_of("planning", plan_load)
     if plan is not None:
         problems = [("PlanError", p) for p in plan.problems]
-    agree(problems, f"zload: cannot load {source}; the model was not changed")
+    agree(problems, refused)
+    local = [i for i in plan.items if i.file not in shared.remote_files]
+    remote = [i for i in plan.items if i.file in shared.remote_files]
 
     dests = _destinations(plan)
     with _engine_writes(engine):
         with progress_for(plan.bytes_to_read, rank=rank, enabled=progress) as bar:
             bytes_read, problems = _problems_of(
-                "reading", lambda: execute(plan.items, dests, staging_bytes, bar))
+                "reading", lambda: execute(local, dests, staging_bytes, bar))
         agree(problems, f"zload: loading {source} failed part-way; the model is partly written")
+        sent = received = 0
+        if shared.sharing:
+            served, sent, received = fetch_remote(shared, remote, dests, staging_bytes)
+            bytes_read += served
         bytes_read += load_converted(plan, dests)
         _finish_partitions(plan)
         _repair_orphans(module, plan, dests)
 
     report = LoadReport(source, rank, world, plan.loaded, plan.missing, plan.unexpected,
                         plan.conversions, plan.orphans, [plan.targets[i].name for i in plan.slow],
-                        bytes_read, plan.checkpoint_bytes, time.perf_counter() - started)
+                        bytes_read, sent, received, plan.checkpoint_bytes,
+                        time.perf_counter() - started)
     _warn(report)
     logger.info("%s", report)
     return report

@@ -52,6 +52,15 @@ class LoadPlan:
         return sum(item.nbytes for item in self.items)
 
 
+def split_item(item: ReadItem, max_bytes: int) -> list[ReadItem]:
+    """``item`` cut into element-aligned pieces of at most ``max_bytes`` (at least one element)."""
+    itemsize = item.nbytes // item.numel if item.numel else 1
+    step = max(1, max_bytes // itemsize)
+    return [ReadItem(item.file, item.offset + first * itemsize, min(step, item.numel - first) * itemsize,
+                     item.src_dtype, item.target, item.dst_offset + first, min(step, item.numel - first))
+            for first in range(0, item.numel, step)]
+
+
 def _compatibility_problem(target: Target, source: Source) -> str | None:
     for entry in source.entries:
         src = DTYPES[entry.dtype][0]

@@ -18,7 +18,9 @@ class LoadReport:
     checkpoint lacks; ``unexpected`` checkpoint tensors the model lacks; ``conversions`` maps
     "FILE_DTYPE->model_dtype" to the names converted; ``slow_path`` names tensors built by a
     checkpoint conversion on one rank and sent to the others; ``bytes_read`` counts file bytes this
-    rank read, which for ZeRO-3 parameters is only its own partitions.
+    rank read, which for ZeRO-3 parameters is only its own partitions (plus, for node-local
+    checkpoints, the ranges it read for ranks that lack a file: ``bytes_sent`` to them, and
+    ``bytes_received`` from others for the files it lacks).
     """
 
     source: str
@@ -31,6 +33,8 @@ class LoadReport:
     repaired_orphans: list[str] = field(default_factory=list)
     slow_path: list[str] = field(default_factory=list)
     bytes_read: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
     checkpoint_bytes: int = 0
     seconds: float = 0.0
 
@@ -43,6 +47,9 @@ class LoadReport:
             f"  read {self.bytes_read / 1e6:.2f} MB ({share:.1%} of {self.checkpoint_bytes / 1e6:.2f} MB"
             f" checkpoint) at {rate:.2f} GB/s",
         ]
+        if self.bytes_sent or self.bytes_received:
+            lines.append(f"  node-local files: sent {self.bytes_sent / 1e6:.2f} MB, received "
+                         f"{self.bytes_received / 1e6:.2f} MB")
         for label, names in (("missing", self.missing), ("unexpected", self.unexpected),
                              ("repaired orphans", self.repaired_orphans),
                              ("converted on one rank (slow path)", self.slow_path)):

@@ -1,0 +1,99 @@
+"""Node-local checkpoints: ranks that cannot see a file receive their bytes from ranks that can."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zload
+
+from . import models
+from .checkpoints import save_sharded
+from .harness import run_world
+from .zero3 import build_zero, check_against
+
+NODE_SCRIPT = Path(__file__).with_name("node_local_rank.py")
+
+
+def _load_on_node(node_dirs, reference, staging_bytes):
+    """Rank r resolves the relative path ``ckpt`` inside ``node_dirs[r]`` (its node's disk)."""
+    model = build_zero(models.Awkward)
+    cwd = os.getcwd()
+    try:
+        os.chdir(node_dirs[dist.get_rank()])
+        report = zload.load_into(model, "ckpt", staging_bytes=staging_bytes)
+    finally:
+        os.chdir(cwd)
+    check_against(model, torch.load(reference))
+    return report.bytes_read, report.bytes_sent, report.bytes_received
+
+
+def _checkpoint(tmp_path, seed):
+    state = models.state_with_seed(models.Awkward, seed=seed)
+    folder = save_sharded(state, tmp_path / "node0" / "ckpt", shards=2)
+    reference = tmp_path / "reference.pt"
+    torch.save(state, reference)
+    return state, folder, reference
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_node_without_the_files(tmp_path, world):
+    """Only node 0 (rank 0) has the checkpoint; the others get exactly their bytes from it."""
+    _, _, reference = _checkpoint(tmp_path, seed=31)
+    (tmp_path / "node1").mkdir()
+    nodes = [tmp_path / "node0"] + [tmp_path / "node1"] * (world - 1)
+    results = run_world(world, _load_on_node, nodes, reference, 256)
+    assert all(read == sent == 0 and received > 0 for read, sent, received in results[1:])
+    assert results[0][1] == sum(r[2] for r in results[1:])  # rank 0 sent what the others received
+
+
+def test_shards_split_across_nodes(tmp_path):
+    """Each node holds one shard (and the index): every rank needs both."""
+    _, folder, reference = _checkpoint(tmp_path, seed=32)
+    other = tmp_path / "node1" / "ckpt"
+    shutil.copytree(folder, other)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    (other / "model-00001-of-00002.safetensors").unlink()
+    nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "node0", tmp_path / "node1"]
+    results = run_world(4, _load_on_node, nodes, reference, 1 << 20)
+    assert all(sent > 0 and received > 0 for _, sent, received in results)  # readers are spread
+    assert sum(r[1] for r in results) == sum(r[2] for r in results)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes(tmp_path):
+    """Two torchrun agents (--nnodes 2) on this machine; only node 0 has the checkpoint."""
+    _, _, reference = _checkpoint(tmp_path, seed=33)
+    (tmp_path / "node1").mkdir()
+    port, out = _free_port(), tmp_path / "results"
+    out.mkdir()
+    agents = []
+    for node in (0, 1):
+        env = dict(os.environ, NODE_DIR=str(tmp_path / f"node{node}"), RESULTS=str(out),
+                   REFERENCE=str(reference), PYTHONPATH=str(Path(__file__).parent.parent))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+               "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+               str(NODE_SCRIPT)]
+        agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True))
+    logs = [a.communicate(timeout=300)[0] for a in agents]
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    assert len(results) == 4, "\n".join(log[-3000:] for log in logs)
+    for r in results:
+        assert r["ok"], r
+        on_node0 = r["rank"] < 2
+        assert (r["received"] == 0) == on_node0 and (r["read"] > 0) == on_node0, r

@@ -1,0 +1,182 @@
+"""Node-local checkpoints: ranks that cannot see a file get their bytes from ranks that can.
+
+When every rank sees every file (a shared filesystem), this costs one small exchange of file
+names and nothing else. Otherwise the ranks share the headers of the files some rank lacks, plan
+as usual, and then each rank that lacks a file asks one of its readers for exactly the byte ranges
+it would have read itself; readers send them point to point in bounded batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .distributed import exchange, raise_for, rank_and_world
+from .errors import CheckpointError, ZloadError
+from .execute import _ALIGN, DEFAULT_STAGING_BYTES, _byte_view, align, read_ranges
+from .index import CheckpointIndex, TensorEntry, open_checkpoint
+from .kernels import Segment, scatter_cast
+from .plan import ReadItem, split_item
+
+
+@dataclass
+class SharedIndex:
+    """The whole checkpoint as this rank sees it, and which of its files other ranks must send."""
+
+    index: CheckpointIndex
+    root: str  # the folder file keys are relative to on this rank
+    readers: dict[str, list[int]] = field(default_factory=dict)  # file key -> ranks holding it
+    remote_files: frozenset[str] = frozenset()  # this rank's paths of the files it lacks
+    sharing: bool = False  # some rank lacks some file (the same on every rank)
+
+
+def _digest(entries) -> str:
+    text = repr(sorted((e.name, e.dtype, e.shape, e.start, e.nbytes) for e in entries))
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _root(source: str) -> str:
+    absolute = os.path.abspath(source)
+    return absolute if os.path.isdir(absolute) or not os.path.splitext(absolute)[1] else os.path.dirname(absolute)
+
+
+def _local_view(source: str):
+    """(index or None, {file key: digest}, file keys the index lists, problems) on this rank."""
+    try:
+        local = open_checkpoint(source, missing_ok=True) if os.path.exists(source) else None
+    except ZloadError as e:
+        return None, {}, [], [(type(e).__name__, str(e))]
+    if local is None:
+        return None, {}, [], []
+    by_file: dict[str, list[TensorEntry]] = {os.path.basename(f): [] for f in local.files
+                                             if f not in local.absent}
+    for entry in local.tensors.values():
+        by_file[os.path.basename(entry.file)].append(entry)
+    digests = {k: _digest(v) for k, v in by_file.items()}
+    return local, digests, sorted(os.path.basename(f) for f in local.files), []
+
+
+def share_index(source: str, what: str) -> SharedIndex:
+    """Index ``source`` on every rank, filling in the files this rank does not have from others.
+
+    Every rank must call it; any rank's problem raises the same error (headed ``what``) on all.
+    """
+    rank, world = rank_and_world()
+    if world == 1:
+        return SharedIndex(open_checkpoint(source), _root(source))
+    local, digests, known, problems = _local_view(source)
+    views = exchange((problems, digests, known))
+    raise_for([v[0] for v in views], what)
+
+    keys = sorted(set().union(*(set(v[2]) for v in views)))
+    readers = {k: [r for r, v in enumerate(views) if k in v[1]] for k in keys}
+    if not keys:
+        raise CheckpointError(f"{source}: no such file or directory on any rank")
+    for key in keys:
+        if not readers[key]:
+            raise CheckpointError(f"{source}: '{key}' is part of the checkpoint but no rank can "
+                                  "read it (missing on every node)")
+        copies = {views[r][1][key] for r in readers[key]}
+        if len(copies) > 1:
+            raise CheckpointError(f"{key}: the copies of this file on ranks {readers[key]} differ "
+                                  f"(different headers); every node must hold the same checkpoint")
+    lacking = [k for k in keys if len(readers[k]) < world]
+    if not lacking:
+        return SharedIndex(local, _root(source))
+
+    # Each file some rank lacks: its first reader sends that file's header entries.
+    mine = {k: [(e.name, e.dtype, e.shape, e.start, e.nbytes) for e in local.tensors.values()
+                if os.path.basename(e.file) == k]
+            for k in lacking if readers[k][0] == rank}
+    shared: dict[str, list] = {}
+    for part in exchange(mine):
+        shared.update(part)
+    root = _root(source)
+    tensors = dict(local.tensors) if local else {}
+    for key, rows in shared.items():
+        if rank not in readers[key]:
+            for name, dtype, shape, start, nbytes in rows:
+                tensors[name] = TensorEntry(name, os.path.join(root, key), dtype, tuple(shape), start, nbytes)
+    files = tuple(os.path.join(root, k) for k in keys)
+    index = CheckpointIndex(local.source if local else source, files, tensors)
+    remote = frozenset(os.path.join(root, k) for k in lacking if rank not in readers[k])
+    return SharedIndex(index, root, {k: readers[k] for k in lacking}, remote, sharing=True)
+
+
+def _batches(items: list[ReadItem], capacity: int) -> list[list[tuple[int, ReadItem]]]:
+    """Greedy packing into batches of at most ``capacity`` bytes, each item at an aligned offset.
+
+    Sender and receiver compute this from the same item list, so they agree on every offset.
+    """
+    batches, batch, position = [], [], 0
+    for item in items:
+        for part in split_item(item, capacity - _ALIGN):
+            start = align(position)
+            if batch and start + part.nbytes > capacity:
+                batches.append(batch)
+                batch, start = [], 0
+            batch.append((start, part))
+            position = start + part.nbytes
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _server(readers: list[int], requester: int, world: int) -> int:
+    """The reader that serves ``requester``: the ranks lacking a file are spread over its readers."""
+    lacking = [r for r in range(world) if r not in readers]
+    return readers[lacking.index(requester) % len(readers)]
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.Tensor],
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> tuple[int, int, int]:
+    """Exchange the byte ranges ``items`` (this rank's reads of files it lacks) with their readers.
+
+    Every rank must call this when ``shared.sharing``. Returns (bytes read for others, bytes
+    sent, bytes received). Pairs (reader -> requester) are served in one global order, so the
+    blocking sends and receives cannot deadlock; memory is one batch of ``staging_bytes``.
+    """
+    rank, world = rank_and_world()
+    key = os.path.basename
+    requests = [(_server(shared.readers[key(i.file)], rank, world), i) for i in items]
+    wire = [(server, key(i.file), i.offset, i.nbytes, i.numel, i.src_dtype) for server, i in requests]
+    everyone = exchange(wire)
+    read = sent = received = 0
+    device = _comm_device()
+    capacity = max(_ALIGN * 2, staging_bytes)
+    for requester in range(world):
+        for server in sorted({w[0] for w in everyone[requester]}):
+            if rank not in (server, requester):
+                continue
+            if rank == requester:
+                mine = [i for s, i in requests if s == server]
+            else:
+                mine = [ReadItem(os.path.join(shared.root, k), offset, nbytes, dtype, 0, 0, numel)
+                        for s, k, offset, nbytes, numel, dtype in everyone[requester] if s == server]
+            for batch in _batches(mine, capacity):
+                used = batch[-1][0] + batch[-1][1].nbytes
+                if rank == server:
+                    buffer = torch.empty(used, dtype=torch.uint8)
+                    view = _byte_view(buffer)
+                    read += read_ranges([(part.file, part.offset, view[start:start + part.nbytes])
+                                         for start, part in batch])
+                    dist.send(buffer.to(device), dst=requester)
+                    sent += used
+                else:
+                    incoming = torch.empty(used, dtype=torch.uint8, device=device)
+                    dist.recv(incoming, src=server)
+                    received += used
+                    segments = [Segment(start, getattr(torch, part.src_dtype), part.numel, part.target,
+                                        part.dst_offset) for start, part in batch]
+                    scatter_cast(incoming, segments, dests)
+    return read, sent, received
