@@ -26,7 +26,7 @@ from .progress import progress_for
 from .sharing import fetch_remote, share_index
 from .report import LoadReport
 from .targets import ORPHAN, PARTITION, collect_targets, zero_partition, zero_sibling
-from .transfer import load_converted
+from .converted import load_converted
 
 logger = logging.getLogger("zload")
 
