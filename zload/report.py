@@ -58,3 +58,18 @@ class LoadReport:
         for pair, names in self.conversions.items():
             lines.append(f"  converted {pair}: {len(names)} tensors")
         return "\n".join(lines)
+
+
+@dataclass
+class SaveReport:
+    """The outcome of ``save`` on one rank."""
+
+    path: str
+    files: list[str]
+    total_bytes: int  # size of all files written
+    bytes_written: int  # by this rank (or sent to rank 0 when ranks share no filesystem)
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"zload: saved {self.path} ({len(self.files)} files, {self.total_bytes / 1e6:.2f} MB); "
+                f"this rank wrote {self.bytes_written / 1e6:.2f} MB in {self.seconds:.3f} s")

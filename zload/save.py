@@ -1,0 +1,462 @@
+"""``save``: write a (ZeRO-3) model as Hugging Face-style safetensors, without gathering it.
+
+Every rank computes the same file layout (names, shapes, dtypes, offsets) from metadata it already
+has; then each rank writes the elements of its own partitions straight to their offsets in the
+shared files. Files are written into a temporary sibling directory that replaces ``path`` only
+after every rank has finished, so a failed or killed save leaves ``path`` as it was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from .distributed import agree, exchange, rank_and_world
+from .errors import ZloadError
+from .index import DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry
+from .load import _problems_of, _unwrap
+from .names import _peft_info, _peft_role, match
+from .report import SaveReport
+from .targets import ORPHAN, PARTITION, Target, collect_targets
+
+ADAPTER_FILE = "adapter_model.safetensors"
+_CODES = {torch_name: code for code, (torch_name, _) in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of the saved checkpoint, built from pieces of model tensors:
+    ``(target index, element offset in the target, element offset in this tensor, numel)``."""
+
+    name: str
+    dtype: str  # torch dtype name
+    shape: tuple[int, ...]
+    pieces: tuple[tuple[int, int, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * getattr(torch, self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class OutFile:
+    name: str
+    header: bytes  # length prefix + JSON, padded to 8 bytes
+    tensors: tuple[tuple[OutTensor, int], ...]  # each with its absolute offset in the file
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(t.nbytes for t, _ in self.tensors)
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal, as transformers counts; ``"5GiB"`` is binary)."""
+    if isinstance(size, int):
+        return size
+    match_ = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", size.upper())
+    if not match_:
+        raise ZloadError(f"max_shard_size={size!r}: expected bytes or a size like '5GB' or '500MiB'")
+    number, unit, binary = match_.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " KMGT".index(unit or " "))
+
+
+def layout(tensors: list[OutTensor], max_shard_bytes: int, single_name: str = SINGLE_FILE) -> list[OutFile]:
+    """Shards in the order given, each closed before it would exceed ``max_shard_bytes``;
+    one file keeps ``single_name``, several are named ``model-0000k-of-0000N.safetensors``."""
+    groups: list[list[OutTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if groups[-1] and size + tensor.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += tensor.nbytes
+    names = [single_name] if len(groups) == 1 else [
+        f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    return [_file(name, group) for name, group in zip(names, groups)]
+
+
+def _file(name: str, tensors: list[OutTensor]) -> OutFile:
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format pads the header to a multiple of 8 bytes
+    blob = len(text).to_bytes(8, "little") + text
+    placed, position = [], len(blob)
+    for t in tensors:
+        placed.append((t, position))
+        position += t.nbytes
+    return OutFile(name, blob, tuple(placed))
+
+
+def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[int, list]:
+    """For a transformers model: target index -> [(checkpoint name, shape, pieces)] in the form
+    transformers writes (its conversion mapping reversed); otherwise the model's own names.
+
+    The reversed mapping is run on meta tensors to learn names and shapes; matching those names
+    back (``names.match``) gives which elements of each model tensor each saved tensor holds.
+    """
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, transformers.PreTrainedModel):
+        return {i: [(targets[i].name, targets[i].shape, ((i, 0, 0, prod(targets[i].shape)),))]
+                for i in wanted}
+    from transformers.core_model_loading import revert_weight_conversion
+
+    meta = {targets[i].name: torch.empty(targets[i].shape, dtype=getattr(torch, targets[i].dtype),
+                                         device="meta") for i in wanted}
+    reverted = revert_weight_conversion(module, meta)
+    fake = {}
+    for k, (name, t) in enumerate(reverted.items()):
+        fake[name] = TensorEntry(name, "", _CODES[str(t.dtype).removeprefix("torch.")], tuple(t.shape),
+                                 k, t.numel() * t.element_size())
+    matching = match(CheckpointIndex("", ("",), fake), targets, module)
+    lost = [targets[i].name for i in wanted if i not in matching.sources]
+    if lost or matching.unexpected:
+        raise ZloadError(f"transformers' reversed conversion mapping does not round-trip for "
+                         f"{lost or matching.unexpected}; cannot name them as transformers would")
+    out: dict[int, list] = {}
+    for i, source in matching.sources.items():
+        if source.convert is not None:
+            raise ZloadError(f"saving '{targets[i].name}' needs a transformers conversion that is not "
+                             "a rename, stack or concatenation; zload cannot write it without a gather")
+        for piece in source.pieces:
+            out.setdefault(i, []).append((piece.entry.name, piece.entry.shape,
+                                          ((i, piece.dst_offset, piece.src_offset, piece.numel),)))
+    return out
+
+
+def _out_tensors(module, targets: list[Target], dtype: torch.dtype | None) -> tuple[list[OutTensor], str]:
+    """The tensors to write, in model order, and the file name for a one-file checkpoint."""
+    peft = _peft_info(module)
+    if peft is not None:  # an adapter alone, in peft's own names and file
+        chosen = []
+        for i, t in enumerate(targets):
+            role, aliases = _peft_role(t.name, *peft)
+            if role == "adapter":
+                chosen.append((i, aliases[0]))
+        wanted = [i for i, _ in chosen]
+        names = {i: [(name, targets[i].shape, ((i, 0, 0, prod(targets[i].shape)),))] for i, name in chosen}
+        single = ADAPTER_FILE
+    else:
+        wanted = [i for i, t in enumerate(targets) if t.required]
+        names = _checkpoint_names(module, targets, wanted)
+        single = SINGLE_FILE
+    merged: dict[str, OutTensor] = {}
+    for i in wanted:
+        out_dtype = str(dtype).removeprefix("torch.") if dtype is not None else targets[i].dtype
+        for name, shape, pieces in names.get(i, []):
+            if name in merged:  # several model tensors feed one saved tensor
+                prior = merged[name]
+                merged[name] = OutTensor(name, prior.dtype, prior.shape, prior.pieces + pieces)
+            else:
+                merged[name] = OutTensor(name, out_dtype, tuple(shape), pieces)
+    return list(merged.values()), single
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """Write ``numel`` elements of this rank's source for target ``target`` (from element
+    ``src_offset``), cast to ``dtype``, at byte ``offset`` of file ``file``."""
+
+    file: str
+    offset: int
+    target: int
+    src_offset: int
+    numel: int
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * getattr(torch, self.dtype).itemsize
+
+
+def plan_writes(files: list[OutFile], targets: list[Target], rank: int, world: int) -> list[WriteItem]:
+    """This rank's writes: the elements of its own partitions, and the whole tensors it is the
+    writer of (non-partitioned tensors are spread over the ranks round robin)."""
+    items = []
+    for f in files:
+        for tensor, position in f.tensors:
+            size = getattr(torch, tensor.dtype).itemsize
+            for i, model_offset, out_offset, numel in tensor.pieces:
+                target = targets[i]
+                if target.kind == PARTITION:
+                    low, high = target.partition.start, target.partition.start + target.partition.valid
+                elif i % world == rank:
+                    low, high = 0, prod(target.shape)
+                else:
+                    continue
+                first, last = max(low, model_offset), min(high, model_offset + numel)
+                if first < last:
+                    items.append(WriteItem(f.name, position + (out_offset + first - model_offset) * size,
+                                           i, first - low, last - first, tensor.dtype))
+    return items
+
+
+def _sources(targets: list[Target], master_weights: bool) -> dict[int, torch.Tensor]:
+    """The flat tensor each target's elements are taken from on this rank."""
+    sources = {}
+    for i, t in enumerate(targets):
+        if t.kind == PARTITION:
+            source = t.tensor.ds_tensor.data.view(-1)
+            if master_weights and t.tensor.requires_grad:
+                from deepspeed.utils import safe_get_local_fp32_param
+
+                source = safe_get_local_fp32_param(t.tensor).view(-1)
+            sources[i] = source
+        elif t.kind != ORPHAN:
+            sources[i] = t.tensor.data.view(-1)
+    return sources
+
+
+def _chunks(item: WriteItem, source: torch.Tensor, buffer_bytes: int):
+    """(byte offset, bytes) of ``item`` in pieces of at most ``buffer_bytes``, cast on the way."""
+    step = max(1, buffer_bytes // getattr(torch, item.dtype).itemsize)
+    for first in range(0, item.numel, step):
+        count = min(step, item.numel - first)
+        chunk = source[item.src_offset + first:item.src_offset + first + count]
+        chunk = chunk.detach().to(device="cpu", dtype=getattr(torch, item.dtype)).contiguous()
+        yield item.offset + first * chunk.element_size(), memoryview(chunk.view(torch.uint8).numpy())
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+class _Files:
+    """Open shard files for writing, fsynced when closed."""
+
+    def __init__(self, folder: str):
+        self.folder, self.fds = folder, {}
+
+    def fd(self, name: str) -> int:
+        if name not in self.fds:
+            self.fds[name] = os.open(os.path.join(self.folder, name), os.O_WRONLY)
+        return self.fds[name]
+
+    def close(self, sync: bool) -> None:
+        for fd in self.fds.values():
+            if sync:
+                os.fsync(fd)
+            os.close(fd)
+        self.fds = {}
+
+
+def _write_local(items, sources, folder: str, buffer_bytes: int) -> int:
+    files = _Files(folder)
+    written = 0
+    try:
+        for item in items:
+            for offset, data in _chunks(item, sources[item.target], buffer_bytes):
+                _pwrite_all(files.fd(item.file), data, offset)
+                written += len(data)
+    finally:
+        files.close(sync=True)
+    return written
+
+
+def _stream_to_rank0(items, sources, folder: str, buffer_bytes: int) -> int:
+    """No shared filesystem: every rank sends its slices to rank 0, one bounded batch at a time,
+    ranks in order; rank 0 writes them. Returns bytes this rank wrote or sent."""
+    import torch.distributed as dist
+
+    rank, world = rank_and_world()
+    batches = exchange([[(i.file, i.offset, i.nbytes) for i in batch]
+                        for batch in _batch(items, buffer_bytes)])
+    if rank == 0:
+        done = _write_local(items, sources, folder, buffer_bytes)
+        files = _Files(folder)
+        try:
+            for sender in range(1, world):
+                for batch in batches[sender]:
+                    incoming = torch.empty(sum(n for _, _, n in batch), dtype=torch.uint8)
+                    dist.recv(incoming, src=sender)
+                    data, position = memoryview(incoming.numpy()), 0
+                    for file, offset, nbytes in batch:
+                        _pwrite_all(files.fd(file), data[position:position + nbytes], offset)
+                        position += nbytes
+                    done += len(data)
+        finally:
+            files.close(sync=True)
+        return done
+    sent = 0
+    for batch in _batch(items, buffer_bytes):
+        payload = torch.cat([torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                             for item in batch for _, data in _chunks(item, sources[item.target], 1 << 62)])
+        dist.send(payload, dst=0)
+        sent += payload.numel()
+    return sent
+
+
+def _batch(items: list[WriteItem], buffer_bytes: int) -> list[list[WriteItem]]:
+    """Items split and packed into batches of at most ``buffer_bytes`` (same on every rank)."""
+    batches, batch, size = [], [], 0
+    for item in items:
+        step = max(1, buffer_bytes // getattr(torch, item.dtype).itemsize)
+        for first in range(0, item.numel, step):
+            part = WriteItem(item.file, item.offset + first * getattr(torch, item.dtype).itemsize,
+                             item.target, item.src_offset + first, min(step, item.numel - first),
+                             item.dtype)
+            if batch and size + part.nbytes > buffer_bytes:
+                batches.append(batch)
+                batch, size = [], 0
+            batch.append(part)
+            size += part.nbytes
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(tmp: str, final: str) -> None:
+    """Make ``tmp`` the directory at ``final``. An existing ``final`` is exchanged atomically
+    (Linux renameat2 RENAME_EXCHANGE), so at every instant ``final`` is the old or the new one."""
+    if not os.path.lexists(final):
+        os.rename(tmp, final)
+    else:
+        libc = ctypes.CDLL(None, use_errno=True)
+        at_fdcwd, rename_exchange = -100, 2
+        exchanged = hasattr(libc, "renameat2") and libc.renameat2(
+            at_fdcwd, os.fsencode(tmp), at_fdcwd, os.fsencode(final), rename_exchange) == 0
+        if not exchanged:  # no renameat2 here: a short window without ``final``
+            os.rename(final, tmp + ".old")
+            os.rename(tmp, final)
+            tmp += ".old"
+        shutil.rmtree(tmp)
+    _fsync_dir(os.path.dirname(final))
+
+
+def _write_metadata(module, files: list[OutFile], folder: str) -> None:
+    """Index (when sharded) and the configs transformers / peft need to load the folder."""
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for f in files for t, _ in f.tensors)},
+                 "weight_map": {t.name: f.name for f in files for t, _ in f.tensors}}
+        with open(os.path.join(folder, INDEX_FILE), "w") as out:
+            json.dump(index, out, indent=2, sort_keys=True)
+            out.write("\n")
+    peft = _peft_info(module)
+    if peft is not None:
+        module.peft_config[peft[0]].save_pretrained(folder)
+    elif hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
+        module.config.save_pretrained(folder)
+        generation = getattr(module, "generation_config", None)
+        if generation is not None and getattr(module, "can_generate", lambda: False)():
+            generation.save_pretrained(folder)
+    for name in os.listdir(folder):
+        if not name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "rb+") as f:
+                os.fsync(f.fileno())
+
+
+def _create_files(files: list[OutFile], folder: str) -> None:
+    for f in files:
+        with open(os.path.join(folder, f.name), "wb") as out:
+            out.write(f.header)
+            out.truncate(f.size)
+
+
+def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+         dtype: torch.dtype | None = None, master_weights: bool = False,
+         shared_filesystem: bool | None = None, buffer_bytes: int = 64 << 20) -> SaveReport:
+    """Write ``model`` (an nn.Module, ZeRO-3 or not, or a DeepSpeedEngine) to the folder ``path``.
+
+    Layout as transformers writes it: ``model.safetensors``, or shards of at most
+    ``max_shard_size`` with ``model.safetensors.index.json``; names in the form transformers
+    expects for a ``PreTrainedModel`` (its config is saved too). A ``PeftModel`` saves its active
+    adapter alone, as peft does (``adapter_model.safetensors`` + ``adapter_config.json``).
+    Every parameter (trainable or frozen) and persistent buffer is written at full shape, tied
+    weights once. No rank gathers anything: each writes its own partitions, in pieces of at most
+    ``buffer_bytes``. ``dtype`` converts on the way; ``master_weights`` writes a live engine's fp32
+    master weights of trainable parameters. ``shared_filesystem=None`` detects whether all ranks
+    see the same folder; if not, ranks stream their slices to rank 0. Must be called by every rank.
+    An existing checkpoint at ``path`` is replaced only once every rank has succeeded.
+    """
+    started = time.perf_counter()
+    rank, world = rank_and_world()
+    module, engine = _unwrap(model)
+    final = os.path.abspath(os.fspath(path))
+    refused = f"zload: cannot save to {final}; nothing was written"
+
+    def plan_save():
+        if master_weights and engine is None:
+            raise ZloadError("master_weights=True needs the DeepSpeedEngine, not its module")
+        targets = collect_targets(module, live_engine=True)
+        problems = [f"'{t.name}': {t.problem}" for t in targets if t.problem and t.kind != PARTITION]
+        problems += [f"'{t.name}': a [0]-shaped parameter re-created after zero.Init; load it "
+                     "(zload.load_into repairs it) before saving" for t in targets if t.kind == ORPHAN]
+        if problems:
+            raise ZloadError("; ".join(problems))
+        tensors, single = _out_tensors(module, targets, dtype)
+        files = layout(tensors, parse_size(max_shard_size), single)
+        return targets, files, plan_writes(files, targets, rank, world)
+
+    planned, problems = _problems_of("planning the save", plan_save)
+    agree(problems, refused)
+    targets, files, items = planned
+
+    # rank 0 names the temporary sibling folder; every rank checks it can see it
+    token = exchange(secrets.token_hex(8) if rank == 0 else None)[0]
+    tmp = f"{final}.zload-tmp-{token}"
+    marker = os.path.join(tmp, ".zload-writing")
+
+    def prepare():
+        if rank == 0:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.makedirs(tmp)
+            _create_files(files, tmp)
+            with open(marker, "w") as f:
+                f.write(token)
+
+    _, problems = _problems_of("creating the files", prepare)
+    agree(problems, refused)
+    sees = os.path.exists(marker) and open(marker).read() == token
+    shared = all(exchange(sees)) if shared_filesystem is None else shared_filesystem
+    try:
+        def write():
+            sources = _sources(targets, master_weights)
+            if shared:
+                return _write_local(items, sources, tmp, buffer_bytes)
+            return _stream_to_rank0(items, sources, tmp, buffer_bytes)
+
+        written, problems = _problems_of("writing", write)
+        agree(problems, refused)
+
+        def publish():
+            if rank == 0:
+                os.remove(marker)
+                _write_metadata(module, files, tmp)
+                _fsync_dir(tmp)
+                _swap_into_place(tmp, final)
+
+        _, problems = _problems_of("publishing", publish)
+        agree(problems, refused)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return SaveReport(final, [f.name for f in files], sum(f.size for f in files), written,
+                      time.perf_counter() - started)
