@@ -9,7 +9,7 @@ from torch import nn
 
 import zload
 from zload.index import CheckpointIndex, TensorEntry
-from zload.names import _peft_role, align_prefix, apply_key_map, match
+from zload.names import peft_role, align_prefix, apply_key_map, match
 from zload.targets import FULL, Target
 
 from . import models
@@ -62,8 +62,8 @@ def test_ambiguous_prefix_is_not_guessed():
     ("base_model.model.q.base_layer.weight", "base", ["base_model.model.q.weight"]),
     ("base_model.model.norm.weight", "base", []),
 ])
-def test_peft_roles_and_saved_names(name, role, aliases):
-    assert _peft_role(name, "default", "lora_") == (role, aliases)
+def testpeft_roles_and_saved_names(name, role, aliases):
+    assert peft_role(name, "default", "lora_") == (role, aliases)
 
 
 def test_two_checkpoint_tensors_for_one_model_tensor_is_a_problem():

@@ -6,14 +6,13 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import zload
 
 from . import models
 from .harness import run_world
-from .zero3 import build_zero, check_against
+from .zero3 import build_zero
 
 
 def _gathered_state(model) -> dict[str, torch.Tensor]:

@@ -7,9 +7,14 @@ leaving the others blocked in a later collective.
 
 from __future__ import annotations
 
+import logging
+import traceback
+
 import torch.distributed as dist
 
 from . import errors
+
+logger = logging.getLogger("zload")
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -53,3 +58,14 @@ def raise_for(gathered: list[list[tuple[str, str]]], what: str) -> None:
     cls = next((getattr(errors, c) for c in ("CheckpointError", "PlanError") if c in classes),
                errors.ZloadError)
     raise cls(f"{what}:\n" + "\n".join(lines))
+
+
+def problems_of(stage: str, call) -> tuple[object, list[tuple[str, str]]]:
+    """Run ``call``; turn any exception into problems so every rank can still reach ``agree``."""
+    try:
+        return call(), []
+    except errors.ZloadError as e:
+        return None, [(type(e).__name__, str(e))]
+    except Exception as e:  # a bug or an environment error must not leave other ranks hanging
+        logger.error("zload: unexpected error while %s:\n%s", stage, traceback.format_exc())
+        return None, [("ZloadError", f"unexpected error while {stage}: {type(e).__name__}: {e}")]

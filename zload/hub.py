@@ -93,11 +93,11 @@ def _explain(e: Exception, repo: str, revision: str | None, local_files_only: bo
         return (f"not in the local cache {constants.HF_HUB_CACHE} and the Hub cannot be "
                 f"reached ({e}): check the network, or download it first with {download}")
     if isinstance(e, hf.GatedRepoError):
-        return (f"the repo is gated: accept its terms on the Hub, then log in with "
-                f"`hf auth login` or set HF_TOKEN")
+        return ("the repo is gated: accept its terms on the Hub, then log in with "
+                "`hf auth login` or set HF_TOKEN")
     if isinstance(e, hf.RepositoryNotFoundError):
-        return (f"no such local path, and no such repo on the Hub (or it is private: log "
-                f"in with `hf auth login` or set HF_TOKEN)")
+        return ("no such local path, and no such repo on the Hub (or it is private: log "
+                "in with `hf auth login` or set HF_TOKEN)")
     if isinstance(e, hf.RevisionNotFoundError):
         return f"the repo has no revision {rev!r}: pass an existing branch, tag or commit"
     if isinstance(e, hf.HfHubHTTPError):

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
-import traceback
 import warnings
 from contextlib import contextmanager
 
 import torch
 
-from .distributed import agree, rank_and_world
-from .errors import ZloadError
+from .distributed import agree, problems_of, rank_and_world
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .hub import resolve_checkpoint
 from .names import KeyMap, match
@@ -25,7 +22,7 @@ from .plan import LoadPlan, make_plan
 from .progress import progress_for
 from .sharing import fetch_remote, share_index
 from .report import LoadReport
-from .targets import ORPHAN, PARTITION, collect_targets, zero_partition, zero_sibling
+from .targets import ORPHAN, PARTITION, collect_targets, unwrap, zero_partition, zero_sibling
 from .converted import load_converted
 
 logger = logging.getLogger("zload")
@@ -33,27 +30,6 @@ logger = logging.getLogger("zload")
 
 class ZloadWarning(UserWarning):
     """Something was loaded, but not quite as the model or checkpoint suggests (see message)."""
-
-
-def _unwrap(model):
-    """(module, engine or None) for an nn.Module or a DeepSpeedEngine."""
-    deepspeed = sys.modules.get("deepspeed")  # not imported: cannot be an engine; stay light
-    if deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine):
-        return model.module, model
-    if isinstance(model, torch.nn.Module):
-        return model, None
-    raise TypeError(f"zload.load_into expects an nn.Module or a DeepSpeedEngine, got {type(model).__name__}")
-
-
-def _problems_of(stage: str, call) -> tuple[object, list[tuple[str, str]]]:
-    """Run ``call``; turn any exception into problems so every rank can still reach ``agree``."""
-    try:
-        return call(), []
-    except ZloadError as e:
-        return None, [(type(e).__name__, str(e))]
-    except Exception as e:  # a bug or an environment error must not leave other ranks hanging
-        logger.error("zload: unexpected error while %s:\n%s", stage, traceback.format_exc())
-        return None, [("ZloadError", f"unexpected error while {stage}: {type(e).__name__}: {e}")]
 
 
 @contextmanager
@@ -137,7 +113,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
-    module, engine = _unwrap(model)
+    module, engine = unwrap(model)
     source = resolve_checkpoint(path, revision)
     refused = f"zload: cannot load {source}; the model was not changed"
     shared = share_index(source, refused)
@@ -147,7 +123,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
         matching = match(shared.index, targets, module, key_map)
         return make_plan(shared.index, targets, strict=strict, matching=matching)
 
-    plan, problems = _problems_of("planning", plan_load)
+    plan, problems = problems_of("planning", plan_load)
     if plan is not None:
         problems = [("PlanError", p) for p in plan.problems]
     agree(problems, refused)
@@ -157,7 +133,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     dests = _destinations(plan)
     with _engine_writes(engine):
         with progress_for(plan.bytes_to_read, rank=rank, enabled=progress) as bar:
-            bytes_read, problems = _problems_of(
+            bytes_read, problems = problems_of(
                 "reading", lambda: execute(local, dests, staging_bytes, bar))
         agree(problems, f"zload: loading {source} failed part-way; the model is partly written")
         sent = received = 0

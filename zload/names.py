@@ -89,7 +89,7 @@ def apply_key_map(names: list[str], key_map: KeyMap | None) -> tuple[dict[str, s
 
 # --- model-side aliases (PEFT) ---
 
-def _peft_info(module):
+def peft_info(module):
     """(adapter name, tuner prefix) if ``module`` is a PEFT model, else None."""
     peft = sys.modules.get("peft")
     if peft is None or not isinstance(module, peft.PeftModel):
@@ -97,7 +97,7 @@ def _peft_info(module):
     return module.active_adapter, getattr(module.base_model, "prefix", "lora_")
 
 
-def _peft_role(name: str, adapter: str, prefix: str) -> tuple[str, list[str]]:
+def peft_role(name: str, adapter: str, prefix: str) -> tuple[str, list[str]]:
     """("adapter" | "other" | "base", the names peft's own checkpoints use for tensor ``name``).
 
     ``lora_A.<adapter>.weight`` is saved by peft as ``lora_A.weight``; a wrapped base weight
@@ -116,13 +116,13 @@ def _peft_role(name: str, adapter: str, prefix: str) -> tuple[str, list[str]]:
 def _aliases(targets: list[Target], module) -> tuple[dict[str, int], dict[int, str] | None]:
     """Every name a checkpoint may use for each target; for a PEFT model also each target's role."""
     lookup: dict[str, int] = {}
-    peft = _peft_info(module)
+    peft = peft_info(module)
     roles: dict[int, str] | None = None if peft is None else {}
     for i, target in enumerate(targets):
         for name in target.names:
             lookup.setdefault(name, i)
         if peft is not None:
-            roles[i], extra = _peft_role(target.name, *peft)
+            roles[i], extra = peft_role(target.name, *peft)
             for alias in extra:
                 lookup.setdefault(alias, i)
     return lookup, roles

@@ -20,13 +20,12 @@ from math import prod
 
 import torch
 
-from .distributed import agree, exchange, rank_and_world
+from .distributed import agree, exchange, problems_of, rank_and_world
 from .errors import ZloadError
 from .index import DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry
-from .load import _problems_of, _unwrap
-from .names import _peft_info, _peft_role, match
+from .names import match, peft_info, peft_role
 from .report import SaveReport
-from .targets import ORPHAN, PARTITION, Target, collect_targets
+from .targets import ORPHAN, PARTITION, Target, collect_targets, unwrap
 
 ADAPTER_FILE = "adapter_model.safetensors"
 _CODES = {torch_name: code for code, (torch_name, _) in DTYPES.items()}
@@ -143,11 +142,11 @@ def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[
 
 def _out_tensors(module, targets: list[Target], dtype: torch.dtype | None) -> tuple[list[OutTensor], str]:
     """The tensors to write, in model order, and the file name for a one-file checkpoint."""
-    peft = _peft_info(module)
+    peft = peft_info(module)
     if peft is not None:  # an adapter alone, in peft's own names and file
         chosen = []
         for i, t in enumerate(targets):
-            role, aliases = _peft_role(t.name, *peft)
+            role, aliases = peft_role(t.name, *peft)
             if role == "adapter":
                 chosen.append((i, aliases[0]))
         wanted = [i for i, _ in chosen]
@@ -358,7 +357,7 @@ def _write_metadata(module, files: list[OutFile], folder: str) -> None:
         with open(os.path.join(folder, INDEX_FILE), "w") as out:
             json.dump(index, out, indent=2, sort_keys=True)
             out.write("\n")
-    peft = _peft_info(module)
+    peft = peft_info(module)
     if peft is not None:
         module.peft_config[peft[0]].save_pretrained(folder)
     elif hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
@@ -397,7 +396,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
-    module, engine = _unwrap(model)
+    module, engine = unwrap(model)
     final = os.path.abspath(os.fspath(path))
     refused = f"zload: cannot save to {final}; nothing was written"
 
@@ -414,7 +413,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
         files = layout(tensors, parse_size(max_shard_size), single)
         return targets, files, plan_writes(files, targets, rank, world)
 
-    planned, problems = _problems_of("planning the save", plan_save)
+    planned, problems = problems_of("planning the save", plan_save)
     agree(problems, refused)
     targets, files, items = planned
 
@@ -431,7 +430,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
             with open(marker, "w") as f:
                 f.write(token)
 
-    _, problems = _problems_of("creating the files", prepare)
+    _, problems = problems_of("creating the files", prepare)
     agree(problems, refused)
     sees = os.path.exists(marker) and open(marker).read() == token
     shared = all(exchange(sees)) if shared_filesystem is None else shared_filesystem
@@ -442,7 +441,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                 return _write_local(items, sources, tmp, buffer_bytes)
             return _stream_to_rank0(items, sources, tmp, buffer_bytes)
 
-        written, problems = _problems_of("writing", write)
+        written, problems = problems_of("writing", write)
         agree(problems, refused)
 
         def publish():
@@ -452,7 +451,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                 _fsync_dir(tmp)
                 _swap_into_place(tmp, final)
 
-        _, problems = _problems_of("publishing", publish)
+        _, problems = problems_of("publishing", publish)
         agree(problems, refused)
     except BaseException:
         if rank == 0:

@@ -6,8 +6,11 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 PARTITION = "partition"  # ZeRO-3 parameter: this rank owns a flat slice, written into ds_tensor
 FULL = "full"  # plain parameter or buffer: every rank writes the whole tensor
@@ -55,6 +58,16 @@ class Target:
     @property
     def name(self) -> str:
         return self.names[0]
+
+
+def unwrap(model):
+    """(module, engine or None) for an nn.Module or a DeepSpeedEngine."""
+    deepspeed = sys.modules.get("deepspeed")  # not imported: cannot be an engine; stay light
+    if deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine):
+        return model.module, model
+    if isinstance(model, torch.nn.Module):
+        return model, None
+    raise TypeError(f"zload.load_into expects an nn.Module or a DeepSpeedEngine, got {type(model).__name__}")
 
 
 def _dtype_name(dtype) -> str:
