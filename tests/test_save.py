@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import zload
@@ -50,3 +51,31 @@ def test_save_round_trip_bit_exact(tmp_path, world):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in saved.values())
     assert sum(r[1] for r in results) == sum(t.numel() * t.element_size() for t in saved.values())
+
+
+def _save_transposed(out):
+    from .test_load_converted import MODELS
+
+    cls, make_config = MODELS["transposed_llama"]
+    torch.manual_seed(3)
+    model = build_zero(lambda: cls(make_config()))
+    for p in model.parameters():  # values unlike any init, the same on every rank
+        p.ds_tensor.data.copy_(torch.arange(p.ds_tensor.numel(), dtype=p.ds_tensor.dtype) / 7
+                               + dist.get_rank(p.ds_process_group) * p.ds_tensor.numel() / 7)
+    report = zload.save(model, out, max_shard_size="30KB")
+    return report.gathered, _gathered_state(model)
+
+
+def test_save_gathers_only_tensors_whose_conversion_is_no_layout(tmp_path):
+    """A checkpoint stores up_proj transposed: only those two parameters are gathered, and
+    transformers loads the folder back exactly."""
+    from .test_load_converted import MODELS
+
+    results = run_world(3, _save_transposed, str(tmp_path / "out"))
+    gathered, expected = results[0]
+    assert gathered == ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    loaded, info = MODELS["transposed_llama"][0].from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+    for name, tensor in loaded.state_dict().items():
+        if name in expected:
+            assert torch.equal(tensor, expected[name]), name

@@ -68,6 +68,7 @@ class SaveReport:
     files: list[str]
     total_bytes: int  # size of all files written
     bytes_written: int  # by this rank (or sent to rank 0 when ranks share no filesystem)
+    gathered: list[str]  # parameters gathered because their transformers conversion is no layout
     seconds: float
 
     def __str__(self) -> str:

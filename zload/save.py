@@ -40,6 +40,9 @@ class OutTensor:
     dtype: str  # torch dtype name
     shape: tuple[int, ...]
     pieces: tuple[tuple[int, int, int, int], ...]
+    # Targets whose reversed transformers conversion is no byte layout: this tensor is written
+    # whole by one rank from those targets gathered (the one place ``save`` gathers).
+    built_from: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -103,8 +106,8 @@ def _file(name: str, tensors: list[OutTensor]) -> OutFile:
 
 
 def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[int, list]:
-    """For a transformers model: target index -> [(checkpoint name, shape, pieces)] in the form
-    transformers writes (its conversion mapping reversed); otherwise the model's own names.
+    """For a transformers model: target index -> [(checkpoint name, shape, pieces, built_from)] in
+    the form transformers writes (its conversion mapping reversed); else the model's own names.
 
     The reversed mapping is run on meta tensors to learn names and shapes; matching those names
     back (``names.match``) gives which elements of each model tensor each saved tensor holds.
@@ -113,7 +116,7 @@ def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[
 
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(module, transformers.PreTrainedModel):
-        return {i: [(targets[i].name, targets[i].shape, ((i, 0, 0, prod(targets[i].shape)),))]
+        return {i: [(targets[i].name, targets[i].shape, ((i, 0, 0, prod(targets[i].shape)),), ())]
                 for i in wanted}
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -132,11 +135,12 @@ def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[
     out: dict[int, list] = {}
     for i, source in matching.sources.items():
         if source.convert is not None:
-            raise ZloadError(f"saving '{targets[i].name}' needs a transformers conversion that is not "
-                             "a rename, stack or concatenation; zload cannot write it without a gather")
+            fed = tuple(j for j, other in matching.sources.items() if other.entries == source.entries)
+            out[i] = [(entry.name, entry.shape, (), fed) for entry in source.entries]
+            continue
         for piece in source.pieces:
             out.setdefault(i, []).append((piece.entry.name, piece.entry.shape,
-                                          ((i, piece.dst_offset, piece.src_offset, piece.numel),)))
+                                          ((i, piece.dst_offset, piece.src_offset, piece.numel),), ()))
     return out
 
 
@@ -150,7 +154,8 @@ def _out_tensors(module, targets: list[Target], dtype: torch.dtype | None) -> tu
             if role == "adapter":
                 chosen.append((i, aliases[0]))
         wanted = [i for i, _ in chosen]
-        names = {i: [(name, targets[i].shape, ((i, 0, 0, prod(targets[i].shape)),))] for i, name in chosen}
+        names = {i: [(name, targets[i].shape, ((i, 0, 0, prod(targets[i].shape)),), ())]
+                 for i, name in chosen}
         single = ADAPTER_FILE
     else:
         wanted = [i for i, t in enumerate(targets) if t.required]
@@ -158,13 +163,15 @@ def _out_tensors(module, targets: list[Target], dtype: torch.dtype | None) -> tu
         single = SINGLE_FILE
     merged: dict[str, OutTensor] = {}
     for i in wanted:
-        out_dtype = str(dtype).removeprefix("torch.") if dtype is not None else targets[i].dtype
-        for name, shape, pieces in names.get(i, []):
+        floating = getattr(torch, targets[i].dtype).is_floating_point  # ints and bools keep theirs
+        out_dtype = str(dtype).removeprefix("torch.") if dtype is not None and floating else targets[i].dtype
+        for name, shape, pieces, built_from in names.get(i, []):
             if name in merged:  # several model tensors feed one saved tensor
                 prior = merged[name]
-                merged[name] = OutTensor(name, prior.dtype, prior.shape, prior.pieces + pieces)
+                merged[name] = OutTensor(name, prior.dtype, prior.shape, prior.pieces + pieces,
+                                         prior.built_from)
             else:
-                merged[name] = OutTensor(name, out_dtype, tuple(shape), pieces)
+                merged[name] = OutTensor(name, out_dtype, tuple(shape), pieces, built_from)
     return list(merged.values()), single
 
 
@@ -323,6 +330,47 @@ def _batch(items: list[WriteItem], buffer_bytes: int) -> list[list[WriteItem]]:
     return batches
 
 
+def _write_converted(module, targets: list[Target], files: list[OutFile], folder: str,
+                     shared: bool) -> tuple[int, list[str]]:
+    """Tensors whose transformers conversion is no byte layout: for each group of targets, all
+    ranks gather those targets only, and one rank runs transformers' reversed conversion and
+    writes the results. Returns (bytes written here, names of the gathered targets)."""
+    placed = {t.name: (f.name, t, position) for f in files for t, position in f.tensors if t.built_from}
+    groups = list(dict.fromkeys(t.built_from for _, t, _ in placed.values()))
+    written, gathered = 0, []
+    if not groups:
+        return written, gathered
+    import deepspeed
+    from transformers.core_model_loading import revert_weight_conversion
+
+    rank, world = rank_and_world()
+    for k, group in enumerate(groups):
+        writer = k % world if shared else 0
+        params = [targets[i].tensor for i in group if targets[i].kind == PARTITION]
+        problems = []
+        with deepspeed.zero.GatheredParameters(params):
+            if rank == writer:
+                try:
+                    full = {targets[i].name: targets[i].tensor.data for i in group}
+                    converted = revert_weight_conversion(module, full)
+                    out = _Files(folder)
+                    try:
+                        for name, (file, tensor, position) in placed.items():
+                            if tensor.built_from == group:
+                                data = converted[name].to(getattr(torch, tensor.dtype)).contiguous()
+                                _pwrite_all(out.fd(file), memoryview(data.view(torch.uint8).numpy()),
+                                            position)
+                                written += tensor.nbytes
+                    finally:
+                        out.close(sync=True)
+                except Exception as e:
+                    problems.append(("ZloadError", f"converting {[targets[i].name for i in group]} "
+                                                   f"for saving failed: {type(e).__name__}: {e}"))
+        agree(problems, "zload: save failed")
+        gathered += [targets[i].name for i in group]
+    return written, gathered
+
+
 def _fsync_dir(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -409,7 +457,8 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                      "(zload.load_into repairs it) before saving" for t in targets if t.kind == ORPHAN]
         if problems:
             raise ZloadError("; ".join(problems))
-        tensors, single = _out_tensors(module, targets, dtype)
+        tensors, single = _out_tensors(module, targets, torch.float32 if master_weights and dtype is None
+                                       else dtype)
         files = layout(tensors, parse_size(max_shard_size), single)
         return targets, files, plan_writes(files, targets, rank, world)
 
@@ -443,6 +492,8 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
 
         written, problems = problems_of("writing", write)
         agree(problems, refused)
+        converted_bytes, gathered = _write_converted(module, targets, files, tmp, shared)
+        written += converted_bytes
 
         def publish():
             if rank == 0:
@@ -457,5 +508,5 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return SaveReport(final, [f.name for f in files], sum(f.size for f in files), written,
+    return SaveReport(final, [f.name for f in files], sum(f.size for f in files), written, gathered,
                       time.perf_counter() - started)
