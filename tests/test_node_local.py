@@ -97,3 +97,33 @@ def test_two_torchrun_nodes(tmp_path):
         assert r["ok"], r
         on_node0 = r["rank"] < 2
         assert (r["received"] == 0) == on_node0 and (r["read"] > 0) == on_node0, r
+
+
+def _load_transposed_on_node(node_dirs, reference_folder):
+    from .test_load_converted import MODELS
+
+    cls, make_config = MODELS["transposed_llama"]
+    reference = cls.from_pretrained(reference_folder).state_dict()
+    model = build_zero(lambda: cls(make_config()))
+    cwd = os.getcwd()
+    try:
+        os.chdir(node_dirs[dist.get_rank()])
+        report = zload.load_into(model, "ckpt")
+    finally:
+        os.chdir(cwd)
+    check_against(model, reference, names=[n for n, _ in model.named_parameters()])
+    return report.slow_path
+
+
+def test_conversion_slow_path_reads_on_the_node_with_the_files(tmp_path):
+    """The rank that converts a transposed tensor must be one that can read it: here only rank 0."""
+    pytest.importorskip("transformers")
+    from .test_load_converted import MODELS
+
+    cls, make_config = MODELS["transposed_llama"]
+    torch.manual_seed(34)
+    cls(make_config()).save_pretrained(tmp_path / "node0" / "ckpt", max_shard_size="30KB")
+    (tmp_path / "node1").mkdir()
+    nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "node1"]
+    for slow_path in run_world(3, _load_transposed_on_node, nodes, tmp_path / "node0" / "ckpt"):
+        assert len(slow_path) == 2

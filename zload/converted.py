@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 from .distributed import agree, rank_and_world
+from .errors import ZloadError
 from .execute import read_tensor
 from .plan import LoadPlan
+from .sharing import SharedIndex
 from .targets import PARTITION
 
 
@@ -32,13 +34,20 @@ def _build(source, dtype) -> tuple[torch.Tensor | None, list]:
     return tensor, []
 
 
-def load_converted(plan: LoadPlan, dests: list[torch.Tensor]) -> int:
-    """Build every slow-path target on its reader rank and deliver it; returns bytes read here."""
+def load_converted(plan: LoadPlan, dests: list[torch.Tensor], shared: SharedIndex) -> int:
+    """Build every slow-path target on its reader rank and deliver it; returns bytes read here.
+
+    The reader is chosen round robin among the ranks that can read all of the target's inputs.
+    """
     rank, world = rank_and_world()
     bytes_read = 0
     for k, i in enumerate(plan.slow):
         target, source, dst = plan.targets[i], plan.sources[i], dests[i]
-        reader = k % world
+        candidates = shared.ranks_reading({e.file for e in source.entries})
+        if not candidates:
+            raise ZloadError(f"zload: no single rank can read all of {list(source.names)} (they lie on "
+                             f"different nodes), which converting '{target.name}' needs")
+        reader = candidates[k % len(candidates)]
         tensor, problems = None, []
         if rank == reader:
             tensor, problems = _build(source, dst.dtype)
@@ -50,6 +59,7 @@ def load_converted(plan: LoadPlan, dests: list[torch.Tensor]) -> int:
             if world > 1:
                 if tensor is None:
                     tensor = torch.empty(prod(source.shape), dtype=dst.dtype)
+                tensor = tensor.to(dst.device)
                 dist.broadcast(tensor, src=reader)
             dst.copy_(tensor)
     return bytes_read

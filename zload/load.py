@@ -140,7 +140,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
         if shared.sharing:
             served, sent, received = fetch_remote(shared, remote, dests, staging_bytes)
             bytes_read += served
-        bytes_read += load_converted(plan, dests)
+        bytes_read += load_converted(plan, dests, shared)
         _finish_partitions(plan)
         _repair_orphans(module, plan, dests)
 

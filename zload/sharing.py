@@ -33,6 +33,13 @@ class SharedIndex:
     remote_files: frozenset[str] = frozenset()  # this rank's paths of the files it lacks
     sharing: bool = False  # some rank lacks some file (the same on every rank)
 
+    def ranks_reading(self, files) -> list[int]:
+        """The ranks that can read every one of ``files`` (paths as this rank names them)."""
+        ranks = set(range(rank_and_world()[1]))
+        for file in files:
+            ranks &= set(self.readers.get(os.path.basename(file), ranks))
+        return sorted(ranks)
+
 
 def _digest(entries) -> str:
     text = repr(sorted((e.name, e.dtype, e.shape, e.start, e.nbytes) for e in entries))
