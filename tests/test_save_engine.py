@@ -1,0 +1,397 @@
+"""zload.save from live engines and transformers models: frozen parameters, master weights, dtype,
+the Hugging Face layout (read back by safetensors and by transformers without DeepSpeed), loading
+at another world size, ranks without a shared filesystem, and ``max_shard_size``.
+
+References are always DeepSpeed's ``GatheredParameters`` (bit for bit), and for file names
+transformers' own ``save_pretrained`` of a plain model holding the gathered weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import zload
+from zload.save import parse_size
+
+from .harness import run_world
+from .zero3 import assert_bit_equal, check_against
+
+transformers = pytest.importorskip("transformers")
+from .test_load_converted import MODELS, _build_nested_zero3
+
+SHARD = "20KB"
+ENGINE_CONFIG = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                 "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 3}}
+
+
+def _llama_config(tie=False):
+    return transformers.LlamaConfig(vocab_size=53, hidden_size=24, intermediate_size=19,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=32, tie_word_embeddings=tie)
+
+
+KINDS = {
+    "llama": (transformers.LlamaForCausalLM, _llama_config),
+    "llama_tied": (transformers.LlamaForCausalLM, lambda: _llama_config(tie=True)),
+    "vision_encoder_decoder": MODELS["vision_encoder_decoder"],
+    "mixtral": MODELS["mixtral"],
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers (both sides)
+
+def _randomize(model, seed: int) -> None:
+    """Distinct, deterministic values in every parameter (the same for the same seed and model)."""
+    import deepspeed
+
+    generator = torch.Generator().manual_seed(seed)
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        for p in params:
+            p.data.copy_(torch.randn(p.shape, generator=generator).to(p.dtype))
+
+
+def _gathered(model) -> dict[str, torch.Tensor]:
+    """Every parameter under every name (tied ones repeated) and persistent buffer, full and cloned."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        state = {n: p.data.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    for prefix, module in model.named_modules():
+        for local, b in module._buffers.items():
+            if b is not None and local not in module._non_persistent_buffers_set:
+                state[f"{prefix}.{local}" if prefix else local] = b.detach().clone()
+    return state
+
+
+def _read_all(folder) -> dict[str, torch.Tensor]:
+    saved = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        part = load_file(str(f))
+        assert not saved.keys() & part.keys(), f"{f.name}: tensor written twice"
+        saved.update(part)
+    return saved
+
+
+def _check_layout(folder, max_bytes: int) -> list[str]:
+    """The HF sharded layout, as transformers writes it; returns the shard names."""
+    folder = Path(folder)
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    n = len(files)
+    assert n > 1, f"expected a sharded checkpoint, got {files}"
+    assert files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    assert (folder / "config.json").exists()
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    total = 0
+    for name in files:
+        raw = (folder / name).read_bytes()
+        header_len = int.from_bytes(raw[:8], "little")
+        assert header_len % 8 == 0, f"{name}: header length {header_len} not a multiple of 8"
+        header = json.loads(raw[8:8 + header_len])
+        assert header.pop("__metadata__") == {"format": "pt"}
+        data = sorted(tuple(h["data_offsets"]) for h in header.values())
+        assert data[0][0] == 0 and all(a[1] == b[0] for a, b in pairwise(data))
+        assert 8 + header_len + data[-1][1] == len(raw), f"{name}: trailing or missing bytes"
+        with safe_open(str(folder / name), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            keys = set(f.keys())
+        assert keys == {k for k, v in index["weight_map"].items() if v == name}
+        assert len(keys) == 1 or data[-1][1] <= max_bytes, f"{name}: {data[-1][1]} > {max_bytes} bytes"
+        total += data[-1][1]
+    assert set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == total
+    assert total == sum(t.numel() * t.element_size() for t in _read_all(folder).values())
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# A + D (master weights): a bf16 engine with only lm_head trainable, after one real step
+
+def _frozen_engine_body(root):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    llama, config = transformers.LlamaForCausalLM, _llama_config()
+    with deepspeed.zero.Init(config_dict_or_path=ENGINE_CONFIG):
+        model = llama(config)
+    _randomize(model, seed=5)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name == "lm_head.weight")
+    before = _gathered(model)
+    assert before["lm_head.weight"].dtype == torch.bfloat16
+    engine, *_ = deepspeed.initialize(model=model, config=ENGINE_CONFIG,
+                                      optimizer=torch.optim.AdamW([model.lm_head.weight], lr=1e-2))
+    ids = torch.randint(0, 53, (2, 8), generator=torch.Generator().manual_seed(3))
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+
+    out, master = Path(root) / "out", Path(root) / "master"
+    report = zload.save(engine, out)
+    zload.save(engine, master, master_weights=True)
+    after = _gathered(engine.module)
+    names = [n for n, _ in engine.module.named_parameters()]
+    saved = _read_all(out)
+    assert report.files == ["model.safetensors"] and sorted(saved) == sorted(names)
+    assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"]), "the step did nothing"
+    for name in names:
+        assert_bit_equal(saved[name], after[name], f"rank {dist.get_rank()}: {name}")
+        if name != "lm_head.weight":  # frozen: present, full and as it was before the step
+            assert_bit_equal(saved[name], before[name], f"{name} (frozen)")
+
+    saved_master = _read_all(master)
+    assert sorted(saved_master) == sorted(names)
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            want = safe_get_full_fp32_param(p)  # a collective: every rank, same order
+            assert want.dtype == torch.float32
+            assert not torch.equal(want, after[name].float()), "master equals its bf16 rounding?"
+        else:
+            want = after[name].float()
+        assert_bit_equal(saved_master[name], want, f"master: {name}")
+    return len(saved)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_frozen_params_and_master_weights_from_bf16_engine(tmp_path, world):
+    assert run_world(world, _frozen_engine_body, str(tmp_path)) == [21] * world
+
+
+# ---------------------------------------------------------------------------------------------
+# B, D (dtype), E (shared vs streamed), F (bad size, big tensor): one world-3 save per model
+
+def _save_body(kind, root):
+    cls, make_config = KINDS[kind]
+    config = make_config()
+    model = _build_nested_zero3(cls, config, torch.float32)
+    _randomize(model, seed=len(kind))
+    root = Path(root)
+    reports = {
+        "out": zload.save(model, root / "out", max_shard_size=SHARD),
+        "bf16": zload.save(model, root / "bf16", max_shard_size="8KB", dtype=torch.bfloat16),
+        "shared": zload.save(model, root / "shared", max_shard_size=SHARD, shared_filesystem=True,
+                             buffer_bytes=100),
+        "stream": zload.save(model, root / "stream", max_shard_size=SHARD, shared_filesystem=False,
+                             buffer_bytes=100),
+        "big": zload.save(model, root / "big", max_shard_size=3000),
+    }
+    try:
+        zload.save(model, root / "bad", max_shard_size="twenty kilobytes")
+    except zload.ZloadError as e:
+        bad = str(e)
+    else:
+        bad = None
+    gathered = _gathered(model)
+    return (gathered if dist.get_rank() == 0 else None,
+            {k: (r.files, r.bytes_written, r.total_bytes) for k, r in reports.items()}, bad)
+
+
+@pytest.fixture(scope="module")
+def saved_at_3(tmp_path_factory):
+    """kind -> (folder, gathered weights by model name, per-rank reports); saved at world 3."""
+    saved = {}
+    for kind in KINDS:
+        root = tmp_path_factory.mktemp(kind)
+        results = run_world(3, _save_body, kind, str(root))
+        for _, _, bad in results:
+            assert bad is not None and "max_shard_size" in bad, bad
+        assert not (root / "bad").exists()
+        saved[kind] = (root, results[0][0], [r[1] for r in results])
+    return saved
+
+
+def _reference_files(kind, gathered, folder) -> dict[str, torch.Tensor]:
+    """What transformers' save_pretrained writes for a plain model holding ``gathered``."""
+    cls, make_config = KINDS[kind]
+    plain = cls(make_config())
+    plain.load_state_dict(gathered, strict=True)
+    plain.save_pretrained(folder, max_shard_size=SHARD)
+    return _read_all(folder)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_hf_layout_read_back_without_deepspeed(saved_at_3, tmp_path, kind):
+    root, gathered, reports = saved_at_3[kind]
+    out = root / "out"
+    files = _check_layout(out, parse_size(SHARD))
+    assert all(r["out"][0] == files for r in reports)
+    assert sum(r["out"][1] for r in reports) == sum(
+        t.numel() * t.element_size() for t in _read_all(out).values())  # each byte written once
+
+    # names, shapes, dtypes and values exactly as transformers writes them (tied weights once)
+    reference = _reference_files(kind, gathered, tmp_path / "reference")
+    saved = _read_all(out)
+    assert sorted(saved) == sorted(reference)
+    for name in reference:
+        assert_bit_equal(saved[name], reference[name], f"{kind}: {name}")
+    if kind in ("llama", "llama_tied"):  # model names are checkpoint names: compare directly too
+        for name, tensor in saved.items():
+            assert_bit_equal(tensor, gathered[name], name)
+    if kind == "llama_tied":
+        assert "model.embed_tokens.weight" in saved and "lm_head.weight" not in saved
+    if kind == "vision_encoder_decoder":
+        assert "decoder.transformer.wte.weight" in saved and "decoder.lm_head.weight" not in saved
+
+    # transformers alone, no DeepSpeed
+    cls, _ = KINDS[kind]
+    model, info = cls.from_pretrained(out, output_loading_info=True)
+    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set())
+    assert info["mismatched_keys"] in ([], set()), info
+    state = model.state_dict()
+    assert set(gathered) <= set(state)
+    for name in gathered:
+        actual = state[name]
+        assert_bit_equal(actual, gathered[name].to(actual.dtype), f"from_pretrained {kind}: {name}")
+    if kind == "llama_tied":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    if kind == "vision_encoder_decoder":
+        assert model.decoder.lm_head.weight is model.decoder.transformer.wte.weight
+
+
+@pytest.mark.parametrize("kind", ["llama", "vision_encoder_decoder", "mixtral"])
+def test_dtype_and_streaming_and_big_tensors(saved_at_3, tmp_path, kind):
+    root, gathered, reports = saved_at_3[kind]
+    reference = _reference_files(kind, gathered, tmp_path / "reference")
+
+    # D: dtype=bf16 on an fp32 model
+    bf16 = _read_all(root / "bf16")
+    assert sorted(bf16) == sorted(reference)
+    for name in reference:
+        assert reference[name].dtype == torch.float32
+        assert_bit_equal(bf16[name], reference[name].to(torch.bfloat16), f"bf16 {name}")
+    _check_layout(root / "bf16", 8000)
+
+    # E: streaming to rank 0 in 100-byte batches writes the same bytes as a shared filesystem
+    names = sorted(os.listdir(root / "shared"))
+    assert names == sorted(os.listdir(root / "stream")) == sorted(os.listdir(root / "out"))
+    for name in names:
+        shared = (root / "shared" / name).read_bytes()
+        assert shared == (root / "stream" / name).read_bytes(), name
+        assert shared == (root / "out" / name).read_bytes(), name
+    total = sum(t.numel() * t.element_size() for t in reference.values())
+    assert sum(r["shared"][1] for r in reports) == total  # every byte written once, by its owner
+    assert reports[0]["stream"][1] == total  # rank 0 wrote everything; the others sent their own share
+    assert [r["stream"][1] for r in reports[1:]] == [r["shared"][1] for r in reports[1:]]
+
+    # F: a tensor larger than max_shard_size gets a shard of its own
+    files = _check_layout(root / "big", 3000)
+    alone = 0
+    for name in files:
+        with safe_open(str(root / "big" / name), "pt") as f:
+            sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+        for k, shape in sizes.items():
+            nbytes = 4 * int(torch.tensor(shape).prod()) if shape else 4
+            if nbytes > 3000:
+                assert len(sizes) == 1, f"{k} ({nbytes} bytes) shares {name} with {sorted(sizes)}"
+                alone += 1
+    assert alone >= 1
+    big = _read_all(root / "big")
+    for name in reference:
+        assert_bit_equal(big[name], reference[name], f"big {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# C: saved at world 3, loaded by zload at 2 and 4
+
+def _load_body(kind, folder, gathered):
+    cls, make_config = KINDS[kind]
+    model = _build_nested_zero3(cls, make_config(), torch.float32)  # sentinel-filled partitions
+    report = zload.load_into(model, folder)
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    compared = check_against(model, gathered, names=names)
+    if kind.startswith("llama"):  # checkpoint names are model names: against the files themselves
+        check_against(model, _read_all(folder))
+    tied = (model.lm_head.weight is model.model.embed_tokens.weight if kind == "llama_tied" else
+            model.decoder.lm_head.weight is model.decoder.transformer.wte.weight
+            if kind == "vision_encoder_decoder" else True)
+    return compared, report.missing, report.unexpected, report.slow_path, tied
+
+
+@pytest.mark.parametrize("kind,world", [("llama", 2), ("llama_tied", 4), ("mixtral", 2), ("mixtral", 4),
+                                        ("vision_encoder_decoder", 4)])
+def test_saved_at_3_loaded_at_other_world_sizes(saved_at_3, kind, world):
+    root, gathered, _ = saved_at_3[kind]
+    for compared, missing, unexpected, slow_path, tied in run_world(world, _load_body, kind,
+                                                                    str(root / "out"), gathered):
+        assert compared > 10 and missing == [] and unexpected == [] and slow_path == [] and tied
+
+
+# ---------------------------------------------------------------------------------------------
+# E: detection, when each rank sees its own directory at the same path
+
+def _save_on_node(node_dirs, buffer_bytes):
+    cls, make_config = KINDS["llama"]
+    model = _build_nested_zero3(cls, make_config(), torch.float32)
+    _randomize(model, seed=len("llama"))  # the same weights as saved_at_3["llama"]
+    fresh = _build_nested_zero3(cls, make_config(), torch.float32)
+    cwd = os.getcwd()
+    try:
+        os.chdir(node_dirs[dist.get_rank()])
+        report = zload.save(model, "out", max_shard_size=SHARD, buffer_bytes=buffer_bytes)
+        loaded = zload.load_into(fresh, "out")  # only rank 0 has it: the others are sent their bytes
+    finally:
+        os.chdir(cwd)
+    gathered = _gathered(model)
+    check_against(fresh, gathered, names=[n for n, _ in fresh.named_parameters()])
+    return report.files, report.bytes_written, loaded.bytes_received
+
+
+def test_no_shared_filesystem_is_detected(saved_at_3, tmp_path):
+    nodes = [tmp_path / f"node{r}" for r in range(3)]
+    for node in nodes:
+        node.mkdir()
+    results = run_world(3, _save_on_node, [str(n) for n in nodes], 100)
+    for node in nodes[1:]:
+        assert os.listdir(node) == [], f"{node}: {os.listdir(node)}"
+    assert sorted(os.listdir(nodes[0])) == ["out"]
+    files = _check_layout(nodes[0] / "out", parse_size(SHARD))
+    assert all(r[0] == files for r in results)
+    assert all(r[2] > 0 for r in results[1:]) and results[0][2] == 0
+    # the same weights as the shared-filesystem save of saved_at_3: the same bytes
+    shared = saved_at_3["llama"][0] / "out"
+    assert sorted(os.listdir(nodes[0] / "out")) == sorted(os.listdir(shared))
+    for name in os.listdir(shared):
+        assert (nodes[0] / "out" / name).read_bytes() == (shared / name).read_bytes(), name
+
+
+# ---------------------------------------------------------------------------------------------
+# F: max_shard_size parsing
+
+def test_parse_max_shard_size():
+    assert parse_size("5GB") == 5_000_000_000
+    assert parse_size("500MiB") == 500 * 2**20
+    assert parse_size("20KB") == 20_000 and parse_size("3KiB") == 3072
+    assert parse_size(1000) == 1000
+    for bad in ("twenty kilobytes", "", "GB", "5XB", "-5GB", "5 G B"):
+        with pytest.raises(zload.ZloadError):
+            parse_size(bad)
+
+
+def test_dtype_leaves_integer_buffers_and_int_sizes_work(tmp_path):
+    """In this process (no torch.distributed): ``dtype`` casts floating tensors only; an int
+    ``max_shard_size`` is bytes; ``master_weights`` needs an engine."""
+    from . import models
+
+    torch.manual_seed(0)
+    model = models.Awkward()
+    report = zload.save(model, tmp_path / "out", dtype=torch.bfloat16, max_shard_size=1000)
+    saved = _read_all(tmp_path / "out")
+    state = model.state_dict()
+    assert sorted(saved) == sorted(state) and len(report.files) > 1
+    for name, tensor in state.items():
+        want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert_bit_equal(saved[name], want, name)
+    assert saved["steps"].dtype == torch.int64
+    with pytest.raises(zload.ZloadError, match="master_weights"):
+        zload.save(model, tmp_path / "master", master_weights=True)
+    assert not (tmp_path / "master").exists()
