@@ -100,31 +100,44 @@ def peft_info(module):
 def peft_role(name: str, adapter: str, prefix: str) -> tuple[str, list[str]]:
     """("adapter" | "other" | "base", the names peft's own checkpoints use for tensor ``name``).
 
-    ``lora_A.<adapter>.weight`` is saved by peft as ``lora_A.weight``; a wrapped base weight
-    ``q_proj.base_layer.weight`` comes from a base checkpoint as ``q_proj.weight``.
+    ``lora_A.<adapter>.weight`` is saved by peft as ``lora_A.weight``, and a trainable copy
+    ``head.modules_to_save.<adapter>.weight`` as ``head.weight``; a wrapped base weight
+    (``q_proj.base_layer.weight``, ``head.original_module.weight``) comes from a base checkpoint
+    under the base model's name.
     """
     parts = name.split(".")
     for i in range(1, len(parts)):
-        if parts[i] == adapter and (parts[i - 1].startswith(prefix) or parts[i - 1] == "modules_to_save"):
+        if parts[i] == adapter and parts[i - 1].startswith(prefix):
             return "adapter", [".".join(parts[:i] + parts[i + 1:])]
+        if parts[i] == adapter and parts[i - 1] == "modules_to_save":
+            return "adapter", [".".join(parts[:i - 1] + parts[i + 1:])]
     if any(p.startswith(prefix) or p == "modules_to_save" for p in parts):
         return "other", []  # a tensor of another adapter
     base = [p for p in parts if p not in ("base_layer", "original_module")]
     return "base", ([".".join(base)] if len(base) != len(parts) else [])
 
 
-def _aliases(targets: list[Target], module) -> tuple[dict[str, int], dict[int, str] | None]:
-    """Every name a checkpoint may use for each target; for a PEFT model also each target's role."""
+def _aliases(targets: list[Target], module, names: list[str]) -> tuple[dict[str, int], dict[int, str] | None]:
+    """Every name a checkpoint may use for each target; for a PEFT model also each target's role.
+
+    A PEFT model takes an adapter checkpoint (one with tuner names such as ``lora_A``) or a base
+    checkpoint; where both a base weight and an adapter's copy of it (``modules_to_save``) answer
+    to the same saved name, the kind of checkpoint decides which one it feeds.
+    """
     lookup: dict[str, int] = {}
     peft = peft_info(module)
     roles: dict[int, str] | None = None if peft is None else {}
+    adapter_checkpoint = peft is not None and any(
+        part.startswith(peft[1]) for name in names for part in name.split("."))
     for i, target in enumerate(targets):
         for name in target.names:
             lookup.setdefault(name, i)
-        if peft is not None:
-            roles[i], extra = peft_role(target.name, *peft)
-            for alias in extra:
-                lookup.setdefault(alias, i)
+    own = set(lookup)
+    for i, target in enumerate(targets if peft is not None else ()):
+        roles[i], extra = peft_role(target.name, *peft)
+        for alias in extra:
+            if alias not in lookup or (alias not in own and (roles[i] == "adapter") == adapter_checkpoint):
+                lookup[alias] = i
     return lookup, roles
 
 
@@ -280,7 +293,7 @@ def match(index: CheckpointIndex, targets: list[Target], module=None,
           key_map: KeyMap | None = None) -> Matching:
     """Resolve every checkpoint tensor to the model tensor it feeds (see module docstring)."""
     renamed, problems = apply_key_map(sorted(index.tensors), key_map)
-    lookup, peft_roles = _aliases(targets, module)
+    lookup, peft_roles = _aliases(targets, module, list(renamed.values()))
     sources: dict[int, Source] = {}
     used: set[str] = set()
 

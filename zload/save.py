@@ -371,6 +371,15 @@ def _write_converted(module, targets: list[Target], files: list[OutFile], folder
     return written, gathered
 
 
+def _sees(marker: str, token: str) -> bool:
+    """Whether this rank sees the marker rank 0 just wrote, i.e. shares its filesystem."""
+    try:
+        with open(marker) as f:
+            return f.read() == token
+    except OSError:
+        return False
+
+
 def _fsync_dir(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -475,14 +484,17 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
         if rank == 0:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.makedirs(tmp)
-            _create_files(files, tmp)
-            with open(marker, "w") as f:
-                f.write(token)
+            try:
+                _create_files(files, tmp)
+                with open(marker, "w") as f:
+                    f.write(token)
+            except BaseException:  # a failed save leaves no temporary folder behind
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
 
     _, problems = problems_of("creating the files", prepare)
     agree(problems, refused)
-    sees = os.path.exists(marker) and open(marker).read() == token
-    shared = all(exchange(sees)) if shared_filesystem is None else shared_filesystem
+    shared = all(exchange(_sees(marker, token))) if shared_filesystem is None else shared_filesystem
     try:
         def write():
             sources = _sources(targets, master_weights)

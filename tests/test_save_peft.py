@@ -1,0 +1,192 @@
+"""zload.save of a ``PeftModel`` over ZeRO-3: the adapter alone, in peft's own format.
+
+The references are peft itself: ``get_peft_model_state_dict`` on a plain (no DeepSpeed) copy with
+the same weights gives the names and values the file must hold, and ``PeftModel.from_pretrained``
+on a plain base model must load the folder zload wrote. The saved values are also compared bit for
+bit with the gathered ZeRO-3 LoRA parameters, and loaded back with zload into a fresh ZeRO-3
+PeftModel at another world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import deepspeed
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import zload
+
+from .harness import run_world
+from .test_peft import (
+    _build,
+    _file_name,
+    _is_lora,
+    _llama_config,
+    _logits,
+    _lora_config,
+)
+from .zero3 import assert_bit_equal
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A base checkpoint (transformers' save_pretrained) and token ids for forward passes."""
+    torch.manual_seed(13)
+    folder = tmp_path_factory.mktemp("base")
+    LlamaForCausalLM(_llama_config()).save_pretrained(folder)
+    input_ids = torch.randint(0, 53, (2, 7), generator=torch.Generator().manual_seed(14))
+    return {"dir": folder, "input_ids": input_ids}
+
+
+def _lora_params(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if _is_lora(n)}
+
+
+def _gathered_lora(model) -> dict[str, torch.Tensor]:
+    lora = _lora_params(model)
+    with deepspeed.zero.GatheredParameters(list(lora.values())):
+        return {n: p.detach().clone() for n, p in lora.items()}
+
+
+def _set_lora(model, seed: int) -> None:
+    """Known LoRA values, the same on every rank (partitioned ones written from rank 0)."""
+    lora = _lora_params(model)
+    with deepspeed.zero.GatheredParameters(list(lora.values()), modifier_rank=0), torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name in sorted(lora):
+            lora[name].copy_(torch.randn(lora[name].shape, generator=g))
+
+
+def _save_body(base, out, lora_partitioned, adapter):
+    model = _build(lora_partitioned, adapter, seed=31)
+    zload.load_into(model, base["dir"])
+    _set_lora(model, seed=32)
+    gathered = _gathered_lora(model)
+    logits = _logits(model, base["input_ids"])
+
+    report = zload.save(model, out)
+    assert report.files == ["adapter_model.safetensors"], report.files
+    assert sorted(os.listdir(out)) == ADAPTER_FILES  # every rank sees the published folder
+    saved = load_file(os.path.join(out, "adapter_model.safetensors"))
+    assert sorted(saved) == sorted(_file_name(n, adapter) for n in gathered)
+    for name, value in gathered.items():  # bit for bit, against DeepSpeed's own gather
+        assert_bit_equal(saved[_file_name(name, adapter)], value, f"rank {dist.get_rank()}: {name}")
+    return gathered, logits, report.bytes_written
+
+
+def _load_body(base, out, lora_partitioned, adapter, expected):
+    """A fresh ZeRO-3 PeftModel (other LoRA values) at another world size: zload loads the folder."""
+    model = _build(lora_partitioned, adapter, seed=41)
+    zload.load_into(model, base["dir"])
+    assert any(not torch.equal(v, expected[n]) for n, v in _gathered_lora(model).items())
+    report = zload.load_into(model, out)
+    assert sorted(report.loaded) == sorted(expected)
+    assert report.missing == [] and report.unexpected == []
+    for name, value in _gathered_lora(model).items():
+        assert_bit_equal(value, expected[name], f"rank {dist.get_rank()}: {name} (loaded back)")
+    return sorted(report.loaded)
+
+
+def _plain_peft(base_dir, adapter, lora=None):
+    """The same model without DeepSpeed: base from its checkpoint, LoRA set to ``lora``."""
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir), _lora_config(), adapter_name=adapter)
+    if lora is not None:
+        params = _lora_params(model)
+        assert sorted(params) == sorted(lora)
+        with torch.no_grad():
+            for name, value in lora.items():
+                params[name].copy_(value)
+    return model
+
+
+CASES = [  # (world that saves, world that loads back, LoRA partitioned when saving, adapter name)
+    (2, 3, True, "default"),
+    (2, 3, False, "default"),
+    (3, 2, True, "default"),
+    (3, 2, False, "default"),
+    (2, 3, True, "mine"),
+    (3, 2, False, "mine"),
+]
+
+
+@pytest.mark.parametrize("world,other_world,lora_partitioned,adapter", CASES,
+                         ids=[f"{c[3]}-lora-{'zero3' if c[2] else 'plain'}-{c[0]}to{c[1]}" for c in CASES])
+def test_peft_model_saves_its_adapter_as_peft_does(tmp_path, base, world, other_world, lora_partitioned,
+                                                   adapter):
+    out = tmp_path / "adapter"
+    results = run_world(world, _save_body, base, str(out), lora_partitioned, adapter)
+    gathered, logits, _ = results[0]
+    assert all(sorted(r[0]) == sorted(gathered) and all(torch.equal(r[0][n], gathered[n]) for n in gathered)
+               for r in results)
+    assert len(gathered) == 8 and all(f".{adapter}." in n for n in gathered)
+    # every LoRA element was written once, by the rank that owns it (or, plain, by one rank)
+    assert sum(r[2] for r in results) == sum(v.numel() * v.element_size() for v in gathered.values())
+
+    # 1. only the adapter, in peft's files; names without the adapter name
+    assert sorted(p.name for p in out.iterdir()) == ADAPTER_FILES
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        assert f.metadata() == {"format": "pt"}
+    assert all(adapter not in n.split(".") and ".base_layer." not in n for n in names)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+
+    # 2. exactly what peft's own state dict gives for a plain copy with the same weights
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    reference = get_peft_model_state_dict(_plain_peft(base["dir"], adapter, gathered), adapter_name=adapter)
+    assert sorted(saved) == sorted(reference)
+    for name in reference:
+        assert_bit_equal(saved[name], reference[name], f"{name} vs get_peft_model_state_dict")
+
+    # 3. peft's from_pretrained on a plain base model loads it: same LoRA weights, same logits
+    plain_base = LlamaForCausalLM.from_pretrained(base["dir"])
+    loaded = PeftModel.from_pretrained(plain_base, out, adapter_name=adapter)
+    assert loaded.active_adapter == adapter
+    loaded_lora = _lora_params(loaded)
+    assert sorted(loaded_lora) == sorted(gathered)
+    for name, value in gathered.items():
+        assert_bit_equal(loaded_lora[name].data, value, f"{name} after PeftModel.from_pretrained")
+    with torch.no_grad():
+        assert_bit_equal(loaded(input_ids=base["input_ids"]).logits, logits, "logits (peft vs ZeRO-3)")
+
+    # 4. zload loads it back into a fresh ZeRO-3 PeftModel at another world size
+    loaded_names = run_world(other_world, _load_body, base, str(out), not lora_partitioned, adapter, gathered)
+    assert all(r == sorted(gathered) for r in loaded_names)
+
+
+def test_modules_to_save_are_named_as_peft_names_them(tmp_path):
+    """A plain PeftModel (no DeepSpeed, no process group) with ``modules_to_save``."""
+    torch.manual_seed(51)
+    config = _lora_config()
+    config.modules_to_save = ["lm_head"]
+    model = get_peft_model(LlamaForCausalLM(_llama_config()), config)
+    zload.save(model, tmp_path / "adapter")
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert sorted(saved) == sorted(get_peft_model_state_dict(model))
+    # peft loads zload's folder, and zload loads peft's own save (modules_to_save included)
+    from peft import PeftModel
+
+    torch.manual_seed(52)
+    reloaded = PeftModel.from_pretrained(LlamaForCausalLM(_llama_config()), tmp_path / "adapter")
+    for name, tensor in get_peft_model_state_dict(reloaded).items():
+        assert torch.equal(tensor, saved[name]), name
+    model.save_pretrained(tmp_path / "by_peft")
+    torch.manual_seed(53)
+    fresh = get_peft_model(LlamaForCausalLM(_llama_config()), config)
+    report = zload.load_into(fresh, tmp_path / "by_peft")
+    assert report.missing == [] and report.unexpected == []
+    for name, tensor in get_peft_model_state_dict(fresh).items():
+        assert torch.equal(tensor, saved[name]), name
