@@ -63,18 +63,15 @@ def _wrap(owner, name: str, before=None, after=None) -> None:
 
 def install_crash(point: str, out: str) -> None:
     die = lambda *a, **k: _die()  # noqa: E731
-    if point == "plan":
-        _wrap(save_module, "plan_writes", after=die)
-    elif point == "create":
-        _wrap(save_module, "_create_files", after=die)
-    elif point == "write":
-        _wrap(save_module, "_pwrite_all", after=die)
-    elif point == "send":
-        _wrap(dist, "send", after=die)
-    elif point == "metadata":
-        _wrap(save_module, "_write_metadata", before=die)
-    elif point == "swap":
-        _wrap(save_module, "_swap_into_place", before=die)
+    simple = {  # kill point -> (module, function, die before or after it runs)
+        "plan": (save_module, "plan_writes", "after"), "create": (save_module, "_create_files", "after"),
+        "write": (save_module, "_pwrite_all", "after"), "send": (dist, "send", "after"),
+        "metadata": (save_module, "_write_metadata", "before"),
+        "swap": (save_module, "_swap_into_place", "before"),
+    }
+    if point in simple:
+        owner, name, when = simple[point]
+        _wrap(owner, name, **{when: die})
     elif point == "swapped":
         parent = os.path.dirname(os.path.abspath(out))
 
