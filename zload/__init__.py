@@ -7,6 +7,7 @@ import logging
 
 from .errors import CheckpointError, PlanError, ZloadError
 from .index import open_checkpoint
+from .init import init
 from .load import ZloadWarning, load_into
 from .report import LoadReport, SaveReport
 from .save import save
@@ -16,5 +17,5 @@ __version__ = "0.1.0"
 # Quiet by default: an application that configures logging sees zload's INFO/DEBUG records.
 logging.getLogger("zload").addHandler(logging.NullHandler())
 
-__all__ = ["load_into", "save", "open_checkpoint", "LoadReport", "SaveReport", "ZloadError", "CheckpointError",
+__all__ = ["load_into", "save", "init", "open_checkpoint", "LoadReport", "SaveReport", "ZloadError", "CheckpointError",
            "PlanError", "ZloadWarning", "__version__"]

@@ -17,6 +17,7 @@ import torch
 from .distributed import agree, problems_of, rank_and_world
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .hub import resolve_checkpoint
+from .init import is_unloaded, mark_loaded, unloaded
 from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
 from .progress import progress_for
@@ -75,6 +76,7 @@ def _finish_partitions(plan: LoadPlan) -> None:
         if target.kind == PARTITION:
             _zero_padding(target.tensor)
             target.tensor.ds_secondary_tensor = None  # stale hpZ copy; rebuilt on next partition
+            mark_loaded(target.tensor)
 
 
 def _repair_orphans(module, plan: LoadPlan, dests) -> None:
@@ -121,7 +123,12 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     def plan_load() -> LoadPlan:
         targets = collect_targets(module, engine is not None)
         matching = match(shared.index, targets, module, key_map)
-        return make_plan(shared.index, targets, strict=strict, matching=matching)
+        plan = make_plan(shared.index, targets, strict=strict, matching=matching)
+        left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
+        if strict and left:
+            plan.problems.append(f"{len(left)} parameters built by zload.init (uninitialised memory) "
+                                 f"would stay unwritten (strict=True): {', '.join(left[:20])}")
+        return plan
 
     plan, problems = problems_of("planning", plan_load)
     if plan is not None:
@@ -148,12 +155,16 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
                         plan.conversions, plan.orphans, [plan.targets[i].name for i in plan.slow],
                         bytes_read, sent, received, plan.checkpoint_bytes,
                         time.perf_counter() - started)
-    _warn(report)
+    _warn(report, unloaded(module))
     logger.info("%s", report)
     return report
 
 
-def _warn(report: LoadReport) -> None:
+def _warn(report: LoadReport, uninitialised: list[str]) -> None:
+    if uninitialised:
+        warnings.warn(f"zload: {len(uninitialised)} parameters built by zload.init hold uninitialised "
+                      f"memory (no load has written them): {', '.join(uninitialised[:20])}",
+                      ZloadWarning, stacklevel=3)
     if report.unexpected:
         warnings.warn(f"zload: {len(report.unexpected)} checkpoint tensors are not in the model and "
                       f"were skipped: {', '.join(report.unexpected[:20])}", ZloadWarning, stacklevel=3)

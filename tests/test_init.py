@@ -1,0 +1,105 @@
+"""zload.init: build without weight init and without zero.Init's broadcast, then load everything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import zload
+
+from . import models
+from .harness import run_world
+from .zero3 import DS_CONFIG, check_against, load_expected, recorded_warnings
+
+
+def _count_calls(build):
+    """(model, broadcasts and weight-init calls issued while ``build()`` ran)."""
+    import deepspeed.comm as ds_comm
+
+    calls = []
+    patched = [(ds_comm, "broadcast"), (torch.nn.init, "kaiming_uniform_")]
+    originals = [getattr(owner, name) for owner, name in patched]
+
+    def counting(original):
+        def call(*args, **kwargs):
+            calls.append(original)
+            return original(*args, **kwargs)
+        return call
+
+    for (owner, name), original in zip(patched, originals):
+        setattr(owner, name, counting(original))
+    try:
+        model = build()
+    finally:
+        for (owner, name), original in zip(patched, originals):
+            setattr(owner, name, original)
+    return model, len(calls)
+
+
+def _build_with_init():
+    with zload.init(DS_CONFIG, dtype=torch.bfloat16):
+        return models.ParamsOnly()
+
+
+def _build_with_zero_init():
+    import deepspeed
+
+    with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG, dtype=torch.bfloat16):
+        return models.ParamsOnly()
+
+
+def _init_then_load(path, strict):
+    model, broadcasts = _count_calls(_build_with_init)
+    _, zero_init_broadcasts = _count_calls(_build_with_zero_init)
+    assert torch.nn.init.normal_.__name__ == "normal_"  # init functions restored on exit
+    assert all(hasattr(p, "ds_id") and p.ds_tensor.dtype == torch.bfloat16 for p in model.parameters())
+    try:
+        report, messages = recorded_warnings(lambda: zload.load_into(model, path, strict=strict))
+    except zload.PlanError as e:
+        return broadcasts, zero_init_broadcasts, str(e), None
+    if not report.missing:
+        check_against(model, load_expected(path))
+    return broadcasts, zero_init_broadcasts, None, messages
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_init_builds_without_broadcast_and_loads_everything(tmp_path, world):
+    state = models.state_with_seed(models.ParamsOnly, seed=61)
+    save_file(state, str(tmp_path / "m.safetensors"))
+    for broadcasts, zero_init_broadcasts, error, messages in run_world(
+            world, _init_then_load, str(tmp_path / "m.safetensors"), True):
+        assert broadcasts == 0  # neither zero.Init's broadcasts nor nn.Linear's kaiming init ran
+        assert zero_init_broadcasts == len(state) + 1  # one broadcast per parameter, one init
+        assert error is None and not any("uninitialised" in m for m in messages)
+
+
+def test_strict_load_refuses_to_leave_init_parameters_unwritten(tmp_path):
+    state = models.state_with_seed(models.ParamsOnly, seed=62)
+    del state["b"]
+    save_file(state, str(tmp_path / "m.safetensors"))
+    for _, _, error, _ in run_world(2, _init_then_load, str(tmp_path / "m.safetensors"), True):
+        assert "not in the checkpoint" in error and error.rstrip().endswith(": b"), error
+    for _, _, error, messages in run_world(2, _init_then_load, str(tmp_path / "m.safetensors"), False):
+        assert error is None and any("uninitialised" in m and "b" in m for m in messages), messages
+
+
+def _peft_base_only(path):
+    """A PEFT model built by zload.init: a base checkpoint leaves the LoRA weights unwritten."""
+    from peft import LoraConfig, get_peft_model
+
+    with zload.init(DS_CONFIG):
+        model = get_peft_model(models.ParamsOnly(), LoraConfig(r=2, target_modules=["a"]))
+    try:
+        zload.load_into(model, path)
+    except zload.PlanError as e:
+        return str(e)
+    return None
+
+
+def test_init_parameters_outside_the_checkpoints_scope_still_count(tmp_path):
+    pytest.importorskip("peft")
+    state = models.state_with_seed(models.ParamsOnly, seed=63)
+    save_file(state, str(tmp_path / "m.safetensors"))
+    for error in run_world(2, _peft_base_only, str(tmp_path / "m.safetensors")):
+        assert error is not None and "zload.init" in error and "lora_A" in error, error
