@@ -1,14 +1,19 @@
 """Executor: perform a plan's reads and copies. The only stage that touches files and tensors.
 
 Reads are issued in file order; runs of file-contiguous ranges become one ``os.preadv`` that
-scatters the bytes to several buffers at once. A range whose destination is a CPU tensor of the
-same dtype is read straight into the destination; the others land in a bounded staging buffer and
-are copied (and cast) by ``kernels.scatter_cast`` whenever the buffer fills up.
+scatters the bytes to several buffers at once, and runs go to a small thread pool (``preadv``
+releases the GIL). A range whose destination is a CPU tensor of the same dtype is read straight
+into the destination; the others land in one of two staging buffers and are copied (and cast) by
+``kernels.scatter_cast``: while one buffer is being copied out, the next batch is read into the
+other. For GPU destinations the staging buffers are pinned and each batch goes to the device on
+its own CUDA stream, so reads, host-to-device copies and the kernel overlap without a per-tensor
+synchronisation.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -18,9 +23,11 @@ from .kernels import Segment, scatter_cast
 from .plan import ReadItem, split_item
 from .progress import Progress
 
-DEFAULT_STAGING_BYTES = 64 << 20
+DEFAULT_STAGING_BYTES = 64 << 20  # both staging buffers together
+DEFAULT_READ_THREADS = 4
 _ALIGN = 64  # staging placement; keeps every dtype view aligned
 _IOV_MAX = 1024  # buffers per preadv call (Linux IOV_MAX)
+_RUN_BYTES = 16 << 20  # longer runs are split so that the thread pool can share them
 
 
 def align(position: int) -> int:
@@ -44,18 +51,61 @@ class _Run:
     nbytes: int = 0
 
 
+def _read_run(run: _Run) -> int:
+    """Read a whole run (retrying short reads); returns its byte count."""
+    buffers, offset = run.buffers, run.offset
+    while buffers:
+        try:
+            got = os.preadv(run.fd, buffers, offset)
+        except OSError as e:
+            raise CheckpointError(f"{run.file}: read failed at byte {offset}: {e.strerror}") from e
+        if got == 0:
+            raise CheckpointError(f"{run.file}: unexpected end of file at byte {offset} "
+                                  "(was the file changed during the load?)")
+        offset += got
+        while buffers and got >= len(buffers[0]):
+            got -= len(buffers[0])
+            buffers = buffers[1:]
+        if buffers and got:
+            buffers = [buffers[0][got:]] + buffers[1:]
+    return run.nbytes
+
+
+class _Staging:
+    """One staging buffer: host bytes (pinned for a GPU), plus its device copy and the event
+    that says when the host buffer may be refilled."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.view = _byte_view(self.host)
+        self.device_copy = torch.empty(capacity, dtype=torch.uint8, device=device) \
+            if device.type == "cuda" else None
+        self.copied = None  # CUDA event: host -> device copy done
+
+    def ready_for_reading(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+
+
 class _Reader:
-    def __init__(self, destinations: list[torch.Tensor], staging_bytes: int, staged_total: int,
-                 progress: Progress | None = None):
+    def __init__(self, destinations: list, staging_bytes: int, staged_total: int,
+                 progress: Progress | None = None, threads: int = DEFAULT_READ_THREADS,
+                 device: torch.device = torch.device("cpu")):
         self.destinations = destinations
         self.progress = progress or Progress()
-        self.capacity = max(_ALIGN, min(staging_bytes, staged_total))
-        self.staging = None
+        self.capacity = max(_ALIGN, min(staging_bytes // 2, staged_total))
+        self.device = device
+        self.buffers: list[_Staging] = []
+        self.current = 0
         self.position = 0
         self.segments: list[Segment] = []
         self.runs: list[_Run] = []
+        self.pending = None  # the batch read in the background: (futures, staging, segments)
         self.fds: dict[str, int] = {}
         self.bytes_read = 0
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="zload-read")
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _fd(self, file: str) -> int:
         if file not in self.fds:
@@ -66,13 +116,20 @@ class _Reader:
         return self.fds[file]
 
     def _queue(self, file: str, offset: int, buffer: memoryview) -> None:
-        run = self.runs[-1] if self.runs else None
-        if (run is None or run.file != file or run.offset + run.nbytes != offset
-                or len(run.buffers) >= _IOV_MAX):
-            run = _Run(self._fd(file), file, offset)
-            self.runs.append(run)
-        run.buffers.append(buffer)
-        run.nbytes += len(buffer)
+        for first in range(0, len(buffer), _RUN_BYTES):
+            piece = buffer[first:first + _RUN_BYTES]
+            run = self.runs[-1] if self.runs else None
+            if (run is None or run.file != file or run.offset + run.nbytes != offset + first
+                    or len(run.buffers) >= _IOV_MAX or run.nbytes >= _RUN_BYTES):
+                run = _Run(self._fd(file), file, offset + first)
+                self.runs.append(run)
+            run.buffers.append(piece)
+            run.nbytes += len(piece)
+
+    def _staging(self) -> _Staging:
+        while len(self.buffers) <= self.current:
+            self.buffers.append(_Staging(self.capacity, self.device))
+        return self.buffers[self.current]
 
     def add(self, item: ReadItem) -> None:
         if item.numel == 0:
@@ -88,57 +145,78 @@ class _Reader:
             if start + part.nbytes > self.capacity:
                 self.flush()
                 start = 0
-            if self.staging is None:
-                self.staging = torch.empty(self.capacity, dtype=torch.uint8)
-                self._staging_view = _byte_view(self.staging)
+            staging = self._staging()
+            if start == 0:
+                staging.ready_for_reading()
             self.position = start + part.nbytes
-            self._queue(part.file, part.offset, self._staging_view[start:self.position])
+            self._queue(part.file, part.offset, staging.view[start:self.position])
             self.segments.append(Segment(start, src_dtype, part.numel, part.target, part.dst_offset))
 
     def flush(self) -> None:
-        for run in self.runs:
-            self._read_run(run)
-        self.runs = []
-        if self.segments:
-            scatter_cast(self.staging, self.segments, self.destinations)
-        self.segments, self.position = [], 0
+        """Start reading the batch queued so far; copy out the batch read before it."""
+        futures = [self.pool.submit(_read_run, run) for run in self.runs]
+        batch = (futures, self._staging() if self.segments else None, self.segments)
+        self.runs, self.segments, self.position = [], [], 0
+        self._finish(self.pending)
+        self.pending = batch
+        self.current = 1 - self.current
 
-    def _read_run(self, run: _Run) -> None:
-        buffers, offset = run.buffers, run.offset
-        while buffers:
-            try:
-                got = os.preadv(run.fd, buffers, offset)
-            except OSError as e:
-                raise CheckpointError(f"{run.file}: read failed at byte {offset}: {e.strerror}") from e
-            if got == 0:
-                raise CheckpointError(f"{run.file}: unexpected end of file at byte {offset} "
-                                      "(was the file changed during the load?)")
-            offset += got
+    def drain(self) -> None:
+        self.flush()
+        self._finish(self.pending)
+        self.pending = None
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _finish(self, batch) -> None:
+        if batch is None:
+            return
+        futures, staging, segments = batch
+        for future in futures:
+            got = future.result()
             self.bytes_read += got
             self.progress.update(got)
-            while buffers and got >= len(buffers[0]):
-                got -= len(buffers[0])
-                buffers = buffers[1:]
-            if buffers and got:
-                buffers = [buffers[0][got:]] + buffers[1:]
+        if not segments:
+            return
+        if self.stream is None:
+            scatter_cast(staging.host, segments, self.destinations)
+            return
+        used = max(s.staging_offset + s.numel * s.src_dtype.itemsize for s in segments)
+        with torch.cuda.stream(self.stream):
+            staging.device_copy[:used].copy_(staging.host[:used], non_blocking=True)
+            staging.copied = torch.cuda.Event()
+            staging.copied.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        scatter_cast(staging.device_copy, segments, self.destinations)
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)
         for fd in self.fds.values():
             os.close(fd)
 
 
 def execute(items: list[ReadItem], destinations: list[torch.Tensor],
-            staging_bytes: int = DEFAULT_STAGING_BYTES, progress: Progress | None = None) -> int:
-    """Read every item into its flat destination; returns the number of bytes read."""
-    staged_total = sum(i.nbytes + _ALIGN for i in items)  # an upper bound, alignment included
-    reader = _Reader(destinations, staging_bytes, staged_total, progress)
-    try:
-        for item in sorted(items, key=lambda i: (i.file, i.offset)):
-            reader.add(item)
-        reader.flush()
-    finally:
-        reader.close()
-    return reader.bytes_read
+            staging_bytes: int = DEFAULT_STAGING_BYTES, progress: Progress | None = None,
+            threads: int = DEFAULT_READ_THREADS) -> int:
+    """Read every item into its flat destination; returns the number of bytes read.
+
+    Items are grouped by the device of their destination, each group with its own staging.
+    """
+    by_device: dict[torch.device, list[ReadItem]] = {}
+    for item in items:
+        by_device.setdefault(destinations[item.target].device, []).append(item)
+    total = 0
+    for device, group in by_device.items():
+        staged_total = sum(i.nbytes + _ALIGN for i in group)  # an upper bound, alignment included
+        reader = _Reader(destinations, staging_bytes, staged_total, progress, threads, device)
+        try:
+            for item in sorted(group, key=lambda i: (i.file, i.offset)):
+                reader.add(item)
+            reader.drain()
+        finally:
+            reader.close()
+        total += reader.bytes_read
+    return total
 
 
 def read_ranges(ranges) -> int:
@@ -148,7 +226,7 @@ def read_ranges(ranges) -> int:
         for file, offset, view in ranges:
             if len(view):
                 reader._queue(file, offset, view)
-        reader.flush()
+        reader.drain()
     finally:
         reader.close()
     return reader.bytes_read
