@@ -18,6 +18,7 @@ from .distributed import agree, problems_of, rank_and_world
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .hub import resolve_checkpoint
 from .init import is_unloaded, mark_loaded, unloaded
+from .kernels import scatter_cast, zero_segment
 from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
 from .progress import progress_for
@@ -70,13 +71,19 @@ def _destinations(plan: LoadPlan) -> list[torch.Tensor | None]:
     return dests
 
 
-def _finish_partitions(plan: LoadPlan) -> None:
+def _finish_partitions(plan: LoadPlan, dests) -> None:
+    """Zero every loaded partition's padding (uninitialised memory) in one batched kernel call,
+    drop stale hpZ copies (rebuilt on the next partition) and clear ``zload.init`` marks."""
+    padding = []
     for i in plan.sources:
         target = plan.targets[i]
         if target.kind == PARTITION:
-            _zero_padding(target.tensor)
-            target.tensor.ds_secondary_tensor = None  # stale hpZ copy; rebuilt on next partition
+            part = target.partition
+            if part.size > part.valid:
+                padding.append(zero_segment(i, part.valid, part.size - part.valid))
+            target.tensor.ds_secondary_tensor = None
             mark_loaded(target.tensor)
+    scatter_cast(torch.empty(0, dtype=torch.uint8), padding, dests)
 
 
 def _repair_orphans(module, plan: LoadPlan, dests) -> None:
@@ -148,7 +155,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
             served, sent, received = fetch_remote(shared, remote, dests, staging_bytes)
             bytes_read += served
         bytes_read += load_converted(plan, dests, shared)
-        _finish_partitions(plan)
+        _finish_partitions(plan, dests)
         _repair_orphans(module, plan, dests)
 
     report = LoadReport(source, rank, world, plan.loaded, plan.missing, plan.unexpected,
