@@ -71,12 +71,12 @@ def _gpu_load(folder: Path, size: str) -> dict:
     import deepspeed
 
     import zload
-    from benchmarks.load import llama_config, write_checkpoint
+    from benchmarks.load import checkpoint_dir, ensure_checkpoint, llama_config, parse_bytes, warm_page_cache
 
-    config = llama_config(size)
-    write_checkpoint(config, folder)
-    for file in folder.glob("*.safetensors"):  # warm the page cache
-        file.read_bytes()
+    config = llama_config(parse_bytes(size))
+    folder = Path(checkpoint_dir(str(folder), config, "2GB"))
+    ensure_checkpoint(str(folder), config, "2GB")
+    warm_page_cache(str(folder))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
     os.environ.setdefault("RANK", "0")

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 timeout 200 "$PY" -m benchmarks.gpu_check --size "${GPU_CHECK_SIZE:-4GB}"
-timeout 240 "$PY" -m benchmarks.load --size 1GB --world 1 --runs 3 --out benchmarks/results
+timeout 240 "$PY" -m benchmarks.load --size 1GB --world 1 --runs 3 --transformers-runs 1 --out benchmarks/results
