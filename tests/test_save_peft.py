@@ -190,3 +190,10 @@ def test_modules_to_save_are_named_as_peft_names_them(tmp_path):
     assert report.missing == [] and report.unexpected == []
     for name, tensor in get_peft_model_state_dict(fresh).items():
         assert torch.equal(tensor, saved[name]), name
+
+
+def test_adapter_is_never_sharded(tmp_path):
+    """peft reads a single adapter_model.safetensors, whatever max_shard_size says."""
+    model = get_peft_model(LlamaForCausalLM(_llama_config()), _lora_config())
+    report = zload.save(model, tmp_path / "adapter", max_shard_size=100)
+    assert report.files == ["adapter_model.safetensors"]

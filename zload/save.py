@@ -468,7 +468,9 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
             raise ZloadError("; ".join(problems))
         tensors, single = _out_tensors(module, targets, torch.float32 if master_weights and dtype is None
                                        else dtype)
-        files = layout(tensors, parse_size(max_shard_size), single)
+        # peft reads one adapter file only, so an adapter is never sharded
+        limit = parse_size(max_shard_size) if single != ADAPTER_FILE else float("inf")
+        files = layout(tensors, limit, single)
         return targets, files, plan_writes(files, targets, rank, world)
 
     planned, problems = problems_of("planning the save", plan_save)
