@@ -371,7 +371,7 @@ def verify_partitions(model, folder: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from zload.index import open_checkpoint
+    from zload.index import DTYPES, open_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
     entries = open_checkpoint(folder).tensors
@@ -394,6 +394,11 @@ def verify_partitions(model, folder: str) -> dict:
             if e.file not in fds:
                 fds[e.file] = os.open(e.file, os.O_RDONLY)
             want = os.pread(fds[e.file], valid * e.itemsize, e.start + lo * e.itemsize)
+            stored = getattr(torch, DTYPES[e.dtype][0])
+            if stored != p.ds_tensor.dtype:  # a cast load: compare with Tensor.to of the file bytes
+                raw = torch.frombuffer(bytearray(want), dtype=torch.uint8) if want else \
+                    torch.empty(0, dtype=torch.uint8)
+                want = raw.view(stored).to(p.ds_tensor.dtype).view(torch.uint8).numpy().tobytes()
             got = p.ds_tensor.detach().reshape(-1)[:valid].cpu().contiguous().view(torch.uint8)
             if bytes(got.numpy().tobytes()) != want:
                 problems.append(f"{name}: partition differs from the checkpoint")
@@ -456,10 +461,11 @@ def _method_zload(folder: str, meter: Meter, args, use_init: bool) -> dict:
     config = LlamaConfig.from_pretrained(folder)
     meter.begin("total")
     meter.begin("construct")
+    dtype = getattr(torch, args.model_dtype)
     if use_init:
-        context = zload.init(ds_config(), dtype=torch.bfloat16)
+        context = zload.init(ds_config(), dtype=dtype)
     else:
-        context = deepspeed.zero.Init(config_dict_or_path=ds_config(), dtype=torch.bfloat16)
+        context = deepspeed.zero.Init(config_dict_or_path=ds_config(), dtype=dtype)
     with context:
         model = LlamaForCausalLM(config)
     meter.end("construct")
@@ -594,7 +600,7 @@ def _cuda_available() -> bool:
 
 def _worker_args(method: str, folder: str, result_dir: str, args) -> list[str]:
     cmd = [WORKER, "--worker", method, "--checkpoint", folder, "--result-dir", result_dir,
-           "--staging-bytes", str(args.staging_bytes)]
+           "--staging-bytes", str(args.staging_bytes), "--model-dtype", args.model_dtype]
     return cmd + ([] if args.verify else ["--no-verify"])
 
 
@@ -1018,6 +1024,9 @@ def parse_args(argv=None):
     p.add_argument("--shard-size", default="100MB", help="save_pretrained max_shard_size (default 100MB)")
     p.add_argument("--staging-bytes", type=parse_bytes, default=DEFAULT_STAGING,
                    help="zload staging_bytes (default 64MiB, zload's default)")
+    p.add_argument("--model-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="dtype of the zload models' partitions (default bfloat16, as the checkpoint: read "
+                        "straight into them; another dtype goes through staging and the cast kernel)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per launched world")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking every partition against the checkpoint after each load")
