@@ -182,6 +182,8 @@ class _Reader:
             scatter_cast(staging.host, segments, self.destinations)
             return
         used = max(s.staging_offset + s.numel * s.src_dtype.itemsize for s in segments)
+        # the kernel that read this device buffer two batches ago must be done before it is refilled
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             staging.device_copy[:used].copy_(staging.host[:used], non_blocking=True)
             staging.copied = torch.cuda.Event()

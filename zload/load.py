@@ -117,8 +117,9 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     of regex -> replacement applied in order, or a callable (returning None drops a tensor).
     Names are also matched through transformers' conversion mapping (for a ``PreTrainedModel``),
     PEFT adapter names (for a ``PeftModel``) and one added or removed leading module prefix.
-    ``progress``: a progress bar on rank 0 for loads longer than a second (None: only on a terminal). Must be called by every rank. Raises ``ZloadError`` (the same
-    on every rank) and leaves the model untouched when the checkpoint does not fit the model.
+    ``progress``: a progress bar on rank 0 for loads longer than a second (None: only on a
+    terminal). Must be called by every rank. Raises ``ZloadError`` (the same on every rank) and
+    leaves the model untouched when the checkpoint does not fit the model.
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
@@ -146,7 +147,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
 
     dests = _destinations(plan)
     with _engine_writes(engine):
-        with progress_for(plan.bytes_to_read, rank=rank, enabled=progress) as bar:
+        with progress_for(sum(i.nbytes for i in local), rank=rank, enabled=progress) as bar:
             bytes_read, problems = problems_of(
                 "reading", lambda: execute(local, dests, staging_bytes, bar))
         agree(problems, f"zload: loading {source} failed part-way; the model is partly written")

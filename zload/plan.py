@@ -47,10 +47,6 @@ class LoadPlan:
     orphans: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
-    @property
-    def bytes_to_read(self) -> int:
-        return sum(item.nbytes for item in self.items)
-
 
 def split_item(item: ReadItem, max_bytes: int) -> list[ReadItem]:
     """``item`` cut into element-aligned pieces of at most ``max_bytes`` (at least one element)."""

@@ -29,9 +29,13 @@ class SharedIndex:
 
     index: CheckpointIndex
     root: str  # the folder file keys are relative to on this rank
-    readers: dict[str, list[int]] = field(default_factory=dict)  # file key -> ranks holding it
+    readers: dict[str, list[int]] = field(default_factory=dict)  # files some rank lacks -> holders
     remote_files: frozenset[str] = frozenset()  # this rank's paths of the files it lacks
-    sharing: bool = False  # some rank lacks some file (the same on every rank)
+
+    @property
+    def sharing(self) -> bool:
+        """Some rank lacks some file (the same answer on every rank)."""
+        return bool(self.readers)
 
     def ranks_reading(self, files) -> list[int]:
         """The ranks that can read every one of ``files`` (paths as this rank names them)."""
@@ -111,7 +115,7 @@ def share_index(source: str, what: str) -> SharedIndex:
     files = tuple(os.path.join(root, k) for k in keys)
     index = CheckpointIndex(local.source if local else source, files, tensors)
     remote = frozenset(os.path.join(root, k) for k in lacking if rank not in readers[k])
-    return SharedIndex(index, root, {k: readers[k] for k in lacking}, remote, sharing=True)
+    return SharedIndex(index, root, {k: readers[k] for k in lacking}, remote)
 
 
 def _batches(items: list[ReadItem], capacity: int) -> list[list[tuple[int, ReadItem]]]:
