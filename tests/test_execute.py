@@ -251,6 +251,29 @@ def test_file_removed_after_indexing(tmp_path):
     assert str(path) in str(err.value)
 
 
+
+def test_a_failed_read_stops_the_other_reader_threads(tmp_path, monkeypatch):
+    """Once one run fails the batch has failed: the other threads take no further runs."""
+    import time
+
+    path = tmp_path / "x.safetensors"
+    save_file({"x": torch.randn(1000)}, str(path))
+    entry = open_checkpoint(path).tensors["x"]
+    monkeypatch.setattr(execute_module, "_RUN_BYTES", 64)  # 4000 bytes: 63 runs
+    calls = []
+
+    def first_read_fails(run):
+        calls.append(run.offset)
+        if len(calls) == 1:
+            raise CheckpointError("the first read fails")
+        time.sleep(0.002)
+        return run.nbytes
+
+    monkeypatch.setattr(execute_module, "_read_run", first_read_fails)
+    with pytest.raises(CheckpointError, match="the first read fails"):
+        execute([item_for(entry, 0, 0, 1000, 0)], [torch.zeros(1000)], threads=2)
+    assert len(calls) <= 3
+
 def test_scatter_cast_segments():
     """scatter_cast copies each staged segment to its destination slice, cast like ``.to()``,
     and leaves everything else alone."""

@@ -52,3 +52,80 @@ def test_llama_save_pretrained_sharded(llama_checkpoint, world, dtype):
         assert compared == stored > 10
         assert missing == [] and unexpected == []
         assert conversions == (dtype != "float32")
+
+
+def _structure(obj, seen=None):
+    """A comparable form of a conversion registry: patterns by their text, objects by type and state."""
+    import re
+
+    from zload.names import _LazyPattern
+
+    seen = set() if seen is None else seen
+    if isinstance(obj, (re.Pattern, _LazyPattern)):
+        return ("re", obj.pattern, obj.flags)
+    if isinstance(obj, (str, int, float, bool, type(None))):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [_structure(x, seen) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _structure(v, seen) for k, v in obj.items()}
+    if callable(obj) and not hasattr(obj, "__dict__") and not hasattr(type(obj), "__slots__"):
+        return repr(obj)
+    if id(obj) in seen:
+        return ("seen", type(obj).__name__)
+    seen.add(id(obj))
+    slots = [s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ())]
+    state = dict(getattr(obj, "__dict__", {}))
+    state.update({s: getattr(obj, s) for s in slots if hasattr(obj, s)})
+    return (type(obj).__name__, {k: _structure(v, seen) for k, v in sorted(state.items())
+                                 if not callable(v) or isinstance(v, (re.Pattern, _LazyPattern))})
+
+
+def test_lazily_compiled_registry_equals_transformers_own():
+    # zload builds transformers' conversion registry with each regex compiled on first use; every
+    # model type's transforms must come out as transformers builds them.
+    import re
+
+    from transformers import conversion_mapping, core_model_loading
+
+    from zload.names import _build_lazy_registry, _LazyPattern
+
+    lazy = _build_lazy_registry(conversion_mapping, core_model_loading)
+    assert core_model_loading.re is re
+    real = conversion_mapping._build_checkpoint_conversion_mapping()
+    assert sorted(lazy) == sorted(real) and len(real) > 100
+    patterns = [t.compiled_sources for ts in lazy.values() for t in ts if hasattr(t, "compiled_sources")]
+    assert patterns and all(isinstance(p, _LazyPattern) and p._compiled is None for p in patterns)
+    for key in real:
+        assert _structure(lazy[key]) == _structure(real[key]), key
+
+
+def test_lazy_pattern_behaves_as_a_pattern():
+    import copy
+    import pickle
+    import re
+
+    from zload.names import _LazyPattern
+
+    lazy = _LazyPattern(r"layers\.(?P<i>\d+)\.w")
+    assert copy.deepcopy(lazy) is lazy and copy.copy(lazy) is lazy and lazy._compiled is None
+    assert lazy.search("model.layers.12.w").group("i") == "12" and lazy.groupindex == {"i": 1}
+    restored = pickle.loads(pickle.dumps(lazy))
+    assert isinstance(restored, re.Pattern) and restored.pattern == lazy.pattern
+
+
+def test_registry_is_lent_only_for_the_block(monkeypatch):
+    from transformers import conversion_mapping
+
+    from zload.names import conversion_registry
+
+    monkeypatch.setattr(conversion_mapping, "_checkpoint_conversion_mapping_cache", None)
+    with conversion_registry():
+        lent = conversion_mapping._checkpoint_conversion_mapping_cache
+        assert lent is not None and conversion_mapping.get_checkpoint_conversion_mapping("legacy")
+    assert conversion_mapping._checkpoint_conversion_mapping_cache is None
+    own = {"legacy": []}  # a registry transformers (or its user) built: used as it is
+    monkeypatch.setattr(conversion_mapping, "_checkpoint_conversion_mapping_cache", own)
+    with conversion_registry():
+        assert conversion_mapping._checkpoint_conversion_mapping_cache is own
+    assert conversion_mapping._checkpoint_conversion_mapping_cache is own

@@ -103,3 +103,28 @@ def test_human_bytes():
     assert human_bytes(1234) == "1.23 KB"
     assert human_bytes(4_560_000_000) == "4.56 GB"
     assert human_bytes(2 * 10**12) == "2.00 TB"
+
+
+
+
+def test_reader_threads_reporting_at_once_draw_one_line():
+    # The executor's reader threads report concurrently. A write that yields mid-draw lets a second
+    # thread pass the "time to draw?" check before the first has recorded its draw, unless the
+    # check and the draw happen under one lock.
+    import threading
+    import time
+
+    class SlowStream(io.StringIO):
+        def write(self, text):
+            time.sleep(0.01)
+            return super().write(text)
+
+    bar, stream, clock = make(enabled=True, stream=SlowStream())
+    clock.now += DELAY_S + 1
+    threads = [threading.Thread(target=bar.update, args=(GB,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bar.done == 4 * GB
+    assert len(stream.getvalue().splitlines()) == 1

@@ -1,9 +1,9 @@
 """Executor: perform a plan's reads and copies. The only stage that touches files and tensors.
 
 Reads are issued in file order; runs of file-contiguous ranges become one ``os.preadv`` that
-scatters the bytes to several buffers at once, and runs go to a small thread pool (``preadv``
-releases the GIL). A range whose destination is a CPU tensor of the same dtype is read straight
-into the destination; the others land in one of two staging buffers and are copied (and cast) by
+scatters the bytes to several buffers at once. A small thread pool reads the runs (``preadv``
+releases the GIL), each thread taking the next run when it is free. A range whose destination is
+a CPU tensor of the same dtype is read straight into the destination; the others land in one of two staging buffers and are copied (and cast) by
 ``kernels.scatter_cast``: while one buffer is being copied out, the next batch is read into the
 other. For GPU destinations the staging buffers are pinned and each batch goes to the device on
 its own CUDA stream, so reads, host-to-device copies and the kernel overlap without a per-tensor
@@ -13,6 +13,7 @@ synchronisation.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -71,6 +72,34 @@ def _read_run(run: _Run) -> int:
     return run.nbytes
 
 
+class _RunQueue:
+    """A batch's runs, taken one at a time by the reader threads (whichever is free next)."""
+
+    def __init__(self, runs: list[_Run], progress: Progress):
+        self.runs = runs
+        self.next = 0
+        self.lock = threading.Lock()
+        self.progress = progress
+
+    def read_until_empty(self) -> int:
+        """Read runs until none are left; returns the bytes this thread read."""
+        total = 0
+        while True:
+            with self.lock:
+                if self.next == len(self.runs):
+                    return total
+                run = self.runs[self.next]
+                self.next += 1
+            try:
+                got = _read_run(run)
+            except BaseException:
+                with self.lock:
+                    self.next = len(self.runs)  # the batch has failed: the other threads stop too
+                raise
+            self.progress.update(got)
+            total += got
+
+
 class _Staging:
     """One staging buffer: host bytes (pinned for a GPU), plus its device copy and the event
     that says when the host buffer may be refilled."""
@@ -104,7 +133,8 @@ class _Reader:
         self.pending = None  # the batch read in the background: (futures, staging, segments)
         self.fds: dict[str, int] = {}
         self.bytes_read = 0
-        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="zload-read")
+        self.threads = max(1, threads)
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zload-read")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _fd(self, file: str) -> int:
@@ -154,7 +184,8 @@ class _Reader:
 
     def flush(self) -> None:
         """Start reading the batch queued so far; copy out the batch read before it."""
-        futures = [self.pool.submit(_read_run, run) for run in self.runs]
+        queue = _RunQueue(self.runs, self.progress)
+        futures = [self.pool.submit(queue.read_until_empty) for _ in range(min(self.threads, len(self.runs)))]
         batch = (futures, self._staging() if self.segments else None, self.segments)
         self.runs, self.segments, self.position = [], [], 0
         self._finish(self.pending)
@@ -173,9 +204,7 @@ class _Reader:
             return
         futures, staging, segments = batch
         for future in futures:
-            got = future.result()
-            self.bytes_read += got
-            self.progress.update(got)
+            self.bytes_read += future.result()
         if not segments:
             return
         if self.stream is None:

@@ -77,8 +77,3 @@ def mark_loaded(param) -> None:
 
 def is_unloaded(tensor) -> bool:
     return getattr(tensor, _UNLOADED, False)
-
-
-def unloaded(module) -> list[str]:
-    """Parameters built by ``init`` that no load has written yet."""
-    return [name for name, p in module.named_parameters() if is_unloaded(p)]

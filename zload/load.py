@@ -14,10 +14,11 @@ from contextlib import contextmanager
 
 import torch
 
+from .collector import collector_paused
 from .distributed import agree, problems_of, rank_and_world
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .hub import resolve_checkpoint
-from .init import is_unloaded, mark_loaded, unloaded
+from .init import is_unloaded, mark_loaded
 from .kernels import scatter_cast, zero_segment
 from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
@@ -103,6 +104,7 @@ def _zero_padding(param) -> None:
     param.ds_tensor.data.view(-1)[zero_partition(param).valid:].zero_()
 
 
+@collector_paused()
 def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: KeyMap | None = None,
               revision: str | None = None, progress: bool | None = None,
               staging_bytes: int = DEFAULT_STAGING_BYTES) -> LoadReport:
@@ -163,7 +165,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
                         plan.conversions, plan.orphans, [plan.targets[i].name for i in plan.slow],
                         bytes_read, sent, received, plan.checkpoint_bytes,
                         time.perf_counter() - started)
-    _warn(report, unloaded(module))
+    _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
     logger.info("%s", report)
     return report
 

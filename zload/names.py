@@ -14,8 +14,11 @@ The functions here read names and shapes only; nothing touches tensor data or pr
 from __future__ import annotations
 
 import copy
+import logging
 import re
 import sys
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import prod
 from typing import Callable, Mapping
@@ -24,6 +27,7 @@ from .index import CheckpointIndex, TensorEntry
 from .targets import Target
 
 KeyMap = Mapping[str, str] | Callable[[str], "str | None"]
+logger = logging.getLogger("zload")
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,79 @@ def align_prefix(unmatched: list[str], known: Mapping[str, int]) -> dict[str, st
 
 # --- transformers conversion mapping ---
 
+class _LazyPattern:
+    """A regular expression compiled when first used; otherwise used like ``re.Pattern``."""
+
+    __slots__ = ("_args", "_compiled")
+
+    def __init__(self, *args):
+        self._args = args
+        self._compiled = None
+
+    def __getattr__(self, name):
+        if self._compiled is None:
+            self._compiled = re.compile(*self._args)
+        return getattr(self._compiled, name)
+
+    def __copy__(self):
+        return self  # immutable, as re.Pattern
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return re.compile, self._args
+
+
+_UNAVAILABLE = object()
+_lazy_registry = None  # built on first use; _UNAVAILABLE where this transformers does not fit
+
+
+def _build_lazy_registry(conversion_mapping, core_model_loading):
+    """transformers' conversion registry, built with every transform's regex compiled on first use."""
+    lazy_re = types.SimpleNamespace(**vars(re))
+    lazy_re.compile = _LazyPattern
+    core_model_loading.re = lazy_re  # only WeightTransform.__init__ compiles through this name
+    try:
+        return conversion_mapping._build_checkpoint_conversion_mapping()
+    finally:
+        core_model_loading.re = re
+
+
+@contextmanager
+def conversion_registry():
+    """Lend transformers a conversion registry whose regexes compile on first use, if it has none.
+
+    On first use transformers builds its registry for every model type it knows, about 900 regexes
+    (45 ms; several times that when a collection of a large heap lands in it). A load needs only the
+    few transforms of one model. transformers' own registry state is restored after the block, and
+    versions lacking these internals use the plain path.
+    """
+    global _lazy_registry
+    from transformers import conversion_mapping, core_model_loading
+
+    if (getattr(conversion_mapping, "_checkpoint_conversion_mapping_cache", False) is not None
+            or not hasattr(conversion_mapping, "_build_checkpoint_conversion_mapping")
+            or getattr(core_model_loading, "re", None) is not re):
+        yield
+        return
+    if _lazy_registry is None:
+        try:
+            _lazy_registry = _build_lazy_registry(conversion_mapping, core_model_loading)
+        except Exception as e:  # a transformers version this does not fit: use its own path
+            logger.debug("zload: lazy conversion registry unavailable (%r); using transformers' own", e)
+            _lazy_registry = _UNAVAILABLE
+    if _lazy_registry is _UNAVAILABLE:
+        yield
+        return
+    conversion_mapping._checkpoint_conversion_mapping_cache = _lazy_registry
+    try:
+        yield
+    finally:
+        if conversion_mapping._checkpoint_conversion_mapping_cache is _lazy_registry:
+            conversion_mapping._checkpoint_conversion_mapping_cache = None
+
+
 def _transformers_model(module):
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(module, transformers.PreTrainedModel):
@@ -269,7 +346,8 @@ def _transformers_renames(module, renamed: dict[str, str], model_names: set[str]
     from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
                                                  rename_source_key)
 
-    mapping = get_model_conversion_mapping(module)
+    with conversion_registry():
+        mapping = get_model_conversion_mapping(module)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}

@@ -3,12 +3,13 @@
 Dependency-free on purpose: zload is vendored into other trees, and a progress bar is not worth a
 requirement. Quick loads print nothing (drawing starts only after ``DELAY_S``), other ranks print
 nothing (one bar per job, not one per rank), and a disabled reporter is a shared no-op object, so
-the executor can call ``update`` per read without a cost worth measuring.
+the executor's reader threads can call ``update`` per read without a cost worth measuring.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Callable, TextIO
 
@@ -75,25 +76,28 @@ class _Bar(Progress):
         self.last_draw = float("-inf")
         self.width = 0  # longest line drawn, so a shorter redraw blanks the rest
         self.closed = False
+        self.lock = threading.Lock()  # the executor's reader threads report concurrently
 
     def update(self, nbytes: int) -> None:
-        self.done += nbytes
-        now = self.clock()
-        if (not self.closed and now - self.started >= DELAY_S
-                and now - self.last_draw >= self.interval):
-            self._draw(now)
+        with self.lock:
+            self.done += nbytes
+            now = self.clock()
+            if (not self.closed and now - self.started >= DELAY_S
+                    and now - self.last_draw >= self.interval):
+                self._draw(now)
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.shown is None:
-            return  # never drawn: a quick load stays silent
-        if self.tty or self.shown != self.done:
-            self._draw(self.clock())  # show where the load really ended
-        if self.tty:
-            self.stream.write("\n")
-        self.stream.flush()
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self.shown is None:
+                return  # never drawn: a quick load stays silent
+            if self.tty or self.shown != self.done:
+                self._draw(self.clock())  # show where the load really ended
+            if self.tty:
+                self.stream.write("\n")
+            self.stream.flush()
 
     def line(self, now: float) -> str:
         scale, label = _unit(self.total)

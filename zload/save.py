@@ -20,10 +20,11 @@ from math import prod
 
 import torch
 
+from .collector import collector_paused
 from .distributed import agree, exchange, problems_of, rank_and_world
 from .errors import ZloadError
 from .index import DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry
-from .names import match, peft_info, peft_role
+from .names import conversion_registry, match, peft_info, peft_role
 from .report import SaveReport
 from .targets import ORPHAN, PARTITION, Target, collect_targets, unwrap
 
@@ -122,7 +123,8 @@ def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[
 
     meta = {targets[i].name: torch.empty(targets[i].shape, dtype=getattr(torch, targets[i].dtype),
                                          device="meta") for i in wanted}
-    reverted = revert_weight_conversion(module, meta)
+    with conversion_registry():
+        reverted = revert_weight_conversion(module, meta)
     fake = {}
     for k, (name, t) in enumerate(reverted.items()):
         fake[name] = TensorEntry(name, "", _CODES[str(t.dtype).removeprefix("torch.")], tuple(t.shape),
@@ -352,7 +354,8 @@ def _write_converted(module, targets: list[Target], files: list[OutFile], folder
             if rank == writer:
                 try:
                     full = {targets[i].name: targets[i].tensor.data for i in group}
-                    converted = revert_weight_conversion(module, full)
+                    with conversion_registry():
+                        converted = revert_weight_conversion(module, full)
                     out = _Files(folder)
                     try:
                         for name, (file, tensor, position) in placed.items():
@@ -435,6 +438,7 @@ def _create_files(files: list[OutFile], folder: str) -> None:
             out.truncate(f.size)
 
 
+@collector_paused()
 def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          dtype: torch.dtype | None = None, master_weights: bool = False,
          shared_filesystem: bool | None = None, buffer_bytes: int = 64 << 20) -> SaveReport:
