@@ -56,6 +56,44 @@ def test_a_node_without_the_files(tmp_path, world):
     assert results[0][1] == sum(r[2] for r in results[1:])  # rank 0 sent what the others received
 
 
+
+def _load_while_the_reader_fails(node_dirs):
+    """Rank 0 serves the others; its second batch read fails (a disk error mid-transfer)."""
+    sharing = sys.modules["zload.sharing"]
+    real, calls = sharing.read_ranges, []
+
+    def failing_on_the_second_batch(ranges):
+        calls.append(1)
+        if len(calls) == 2:
+            raise zload.CheckpointError("model-00001.safetensors: read failed at byte 4096: Input/output error")
+        return real(ranges)
+
+    model = build_zero(models.Awkward)
+    cwd = os.getcwd()
+    sharing.read_ranges = failing_on_the_second_batch
+    try:
+        os.chdir(node_dirs[dist.get_rank()])
+        zload.load_into(model, "ckpt", staging_bytes=256)
+    except zload.ZloadError as e:
+        return type(e).__name__, str(e)
+    finally:
+        sharing.read_ranges = real
+        os.chdir(cwd)
+    return None
+
+
+def test_a_reader_failing_mid_transfer_fails_every_rank(tmp_path):
+    """No rank is left waiting for bytes that will not come: all raise the same error."""
+    _checkpoint(tmp_path, seed=32)
+    (tmp_path / "node1").mkdir()
+    results = run_world(3, _load_while_the_reader_fails, [tmp_path / "node0"] + [tmp_path / "node1"] * 2)
+    assert all(r is not None for r in results), results
+    assert len(set(results)) == 1  # the same error on every rank
+    kind, message = results[0]
+    assert kind == "CheckpointError" and "failed part-way" in message
+    assert "[rank 0] model-00001.safetensors: read failed" in message
+    assert "[rank 1, 2] rank 0 could not read" in message
+
 def test_shards_split_across_nodes(tmp_path):
     """Each node holds one shard (and the index): every rank needs both."""
     _, folder, reference = _checkpoint(tmp_path, seed=32)

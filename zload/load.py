@@ -152,10 +152,12 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
         with progress_for(sum(i.nbytes for i in local), rank=rank, enabled=progress) as bar:
             bytes_read, problems = problems_of(
                 "reading", lambda: execute(local, dests, staging_bytes, bar))
-        agree(problems, f"zload: loading {source} failed part-way; the model is partly written")
+        failed = f"zload: loading {source} failed part-way; the model is partly written"
+        agree(problems, failed)
         sent = received = 0
         if shared.sharing:
-            served, sent, received = fetch_remote(shared, remote, dests, staging_bytes)
+            served, sent, received, problems = fetch_remote(shared, remote, dests, staging_bytes)
+            agree(problems, failed)
             bytes_read += served
         bytes_read += load_converted(plan, dests, shared)
         _finish_partitions(plan, dests)

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .distributed import exchange, raise_for, rank_and_world
+from .distributed import exchange, problems_of, raise_for, rank_and_world
 from .errors import CheckpointError, ZloadError
 from .execute import _ALIGN, DEFAULT_STAGING_BYTES, _byte_view, align, read_ranges
 from .index import CheckpointIndex, TensorEntry, open_checkpoint
 from .kernels import Segment, scatter_cast
 from .plan import ReadItem, split_item
+
+_OK, _FAILED = 0, 1  # the status byte ending each batch a reader sends
 
 
 @dataclass
@@ -150,12 +152,14 @@ def _comm_device() -> torch.device:
 
 
 def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.Tensor],
-                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> tuple[int, int, int]:
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> tuple[int, int, int, list]:
     """Exchange the byte ranges ``items`` (this rank's reads of files it lacks) with their readers.
 
     Every rank must call this when ``shared.sharing``. Returns (bytes read for others, bytes
-    sent, bytes received). Pairs (reader -> requester) are served in one global order, so the
-    blocking sends and receives cannot deadlock; memory is one batch of ``staging_bytes``.
+    sent, bytes received, problems). Pairs (reader -> requester) are served in one global order, so
+    the blocking sends and receives cannot deadlock; memory is one batch of ``staging_bytes``.
+    Each batch ends in a status byte: a reader whose read fails still sends every batch it owes
+    (marked failed, unread), so no requester waits forever; the caller agrees on the problems.
     """
     rank, world = rank_and_world()
     key = os.path.basename
@@ -163,6 +167,7 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     wire = [(server, key(i.file), i.offset, i.nbytes, i.numel, i.src_dtype) for server, i in requests]
     everyone = exchange(wire)
     read = sent = received = 0
+    problems: list[tuple[str, str]] = []
     device = _comm_device()
     capacity = max(_ALIGN * 2, staging_bytes)
     for requester in range(world):
@@ -176,18 +181,26 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
                         for s, k, offset, nbytes, numel, dtype in everyone[requester] if s == server]
             for batch in _batches(mine, capacity):
                 used = batch[-1][0] + batch[-1][1].nbytes
+                message = torch.empty(used + 1, dtype=torch.uint8)  # the batch, then its status
                 if rank == server:
-                    buffer = torch.empty(used, dtype=torch.uint8)
-                    view = _byte_view(buffer)
-                    read += read_ranges([(part.file, part.offset, view[start:start + part.nbytes])
-                                         for start, part in batch])
-                    dist.send(buffer.to(device), dst=requester)
+                    if not problems:
+                        view = _byte_view(message)
+                        got, problems = problems_of(f"reading for rank {requester}", lambda: read_ranges(
+                            [(part.file, part.offset, view[start:start + part.nbytes]) for start, part in batch]))
+                        read += got or 0
+                    message[used] = _FAILED if problems else _OK
+                    dist.send(message.to(device), dst=requester)
                     sent += used
                 else:
-                    incoming = torch.empty(used, dtype=torch.uint8, device=device)
+                    incoming = message.to(device)
                     dist.recv(incoming, src=server)
                     received += used
+                    if int(incoming[used]) != _OK:
+                        if not problems:
+                            problems.append(("CheckpointError", f"rank {server} could not read the bytes "
+                                             f"this rank lacks (see rank {server}'s problem)"))
+                        continue
                     segments = [Segment(start, getattr(torch, part.src_dtype), part.numel, part.target,
                                         part.dst_offset) for start, part in batch]
                     scatter_cast(incoming, segments, dests)
-    return read, sent, received
+    return read, sent, received, problems
