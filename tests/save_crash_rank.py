@@ -128,8 +128,11 @@ def main() -> None:
     except Exception as e:
         result.update(error_type=type(e).__name__, message=traceback.format_exc())
         rc = 4
-    with open(os.path.join(os.environ["RESULTS"], f"rank{rank}.json"), "w") as f:
+    # Written whole or not at all: torchrun may tear this worker down at any moment once a peer died.
+    path = os.path.join(os.environ["RESULTS"], f"rank{rank}.json")
+    with open(path + ".partial", "w") as f:
         json.dump(result, f)
+    os.replace(path + ".partial", path)
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -166,3 +166,17 @@ def test_strict_load_only_warns_about_unexpected_tensors(tmp_path):
     for unexpected, messages in run_world(2, _load_strict_with_extra, folder):
         assert unexpected == ["extra.weight"]
         assert any("extra.weight" in m for m in messages)
+
+
+def test_load_warnings_point_at_the_callers_line(tmp_path):
+    import warnings
+
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.ones(2, 3), "bias": torch.zeros(2), "extra": torch.ones(1)},
+              str(tmp_path / "model.safetensors"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zload.load_into(torch.nn.Linear(3, 2), tmp_path)
+    (warning,) = [w for w in caught if issubclass(w.category, zload.ZloadWarning)]
+    assert "extra" in str(warning.message) and warning.filename == __file__

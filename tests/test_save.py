@@ -79,3 +79,20 @@ def test_save_gathers_only_tensors_whose_conversion_is_no_layout(tmp_path):
     for name, tensor in loaded.state_dict().items():
         if name in expected:
             assert torch.equal(tensor, expected[name]), name
+
+
+def test_leftovers_of_a_killed_save_are_named_and_kept(tmp_path):
+    """A save names the temporary folders an earlier, killed save left next to its path (one could
+    belong to a save still running elsewhere, so they are not deleted) and saves as usual."""
+    out = tmp_path / "out"
+    leftover = tmp_path / "out.zload-tmp-0123456789abcdef"
+    leftover.mkdir()
+    (tmp_path / "other.zload-tmp-0123456789abcdef").mkdir()  # another path's: not mentioned
+    model = torch.nn.Linear(3, 2)
+    with pytest.warns(zload.ZloadWarning, match="temporary folders") as caught:
+        zload.save(model, out)
+    (warning,) = [w for w in caught if issubclass(w.category, zload.ZloadWarning)]
+    assert str(leftover) in str(warning.message) and "other.zload-tmp" not in str(warning.message)
+    assert warning.filename == __file__  # points at the caller's save() line
+    assert leftover.is_dir() and torch.equal(load_file(str(out / "model.safetensors"))["weight"],
+                                             model.weight.detach())

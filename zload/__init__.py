@@ -5,10 +5,10 @@ Each rank reads (or writes) only the bytes of the partitions it owns; nothing is
 
 import logging
 
-from .errors import CheckpointError, PlanError, ZloadError
+from .errors import CheckpointError, PlanError, ZloadError, ZloadWarning
 from .index import open_checkpoint
 from .init import init
-from .load import ZloadWarning, load_into
+from .load import load_into
 from .report import LoadReport, SaveReport
 from .save import save
 

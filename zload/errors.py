@@ -5,6 +5,10 @@ trainer can catch one type; the subclasses say which stage refused.
 """
 
 
+class ZloadWarning(UserWarning):
+    """Something worked, but not quite as the model, checkpoint or folder suggests (see message)."""
+
+
 class ZloadError(Exception):
     """Base class of every error zload raises on purpose."""
 

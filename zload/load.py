@@ -16,6 +16,7 @@ import torch
 
 from .collector import collector_paused
 from .distributed import agree, problems_of, rank_and_world
+from .errors import ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .hub import resolve_checkpoint
 from .init import is_unloaded, mark_loaded
@@ -29,10 +30,6 @@ from .targets import ORPHAN, PARTITION, collect_targets, unwrap, zero_partition,
 from .converted import load_converted
 
 logger = logging.getLogger("zload")
-
-
-class ZloadWarning(UserWarning):
-    """Something was loaded, but not quite as the model or checkpoint suggests (see message)."""
 
 
 @contextmanager
@@ -173,17 +170,19 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
 
 
 def _warn(report: LoadReport, uninitialised: list[str]) -> None:
+    """Warnings point at the caller's ``load_into`` line: _warn, load_into, the collector_paused
+    wrapper, the caller (stacklevel 4)."""
     if uninitialised:
         warnings.warn(f"zload: {len(uninitialised)} parameters built by zload.init hold uninitialised "
                       f"memory (no load has written them): {', '.join(uninitialised[:20])}",
-                      ZloadWarning, stacklevel=3)
+                      ZloadWarning, stacklevel=4)
     if report.unexpected:
         warnings.warn(f"zload: {len(report.unexpected)} checkpoint tensors are not in the model and "
-                      f"were skipped: {', '.join(report.unexpected[:20])}", ZloadWarning, stacklevel=3)
+                      f"were skipped: {', '.join(report.unexpected[:20])}", ZloadWarning, stacklevel=4)
     if report.missing:
         warnings.warn(f"zload: {len(report.missing)} model tensors are not in the checkpoint and "
                       f"were left as they were: {', '.join(report.missing[:20])}", ZloadWarning,
-                      stacklevel=3)
+                      stacklevel=4)
     for name in report.repaired_orphans:
         warnings.warn(f"zload: '{name}' was a plain [0]-shaped parameter (re-created after zero.Init); "
-                      "loaded it and converted it to a ZeRO-3 parameter", ZloadWarning, stacklevel=3)
+                      "loaded it and converted it to a ZeRO-3 parameter", ZloadWarning, stacklevel=4)

@@ -9,12 +9,14 @@ after every rank has finished, so a failed or killed save leaves ``path`` as it 
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import os
 import re
 import secrets
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from math import prod
 
@@ -22,7 +24,7 @@ import torch
 
 from .collector import collector_paused
 from .distributed import agree, exchange, problems_of, rank_and_world
-from .errors import ZloadError
+from .errors import ZloadError, ZloadWarning
 from .index import DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry
 from .names import conversion_registry, match, peft_info, peft_role
 from .report import SaveReport
@@ -438,6 +440,16 @@ def _create_files(files: list[OutFile], folder: str) -> None:
             out.truncate(f.size)
 
 
+def _warn_about_leftovers(final: str) -> None:
+    """Name the temporary folders that killed saves to ``final`` left behind. They are not removed:
+    one could belong to a save still running elsewhere."""
+    leftovers = sorted(glob.glob(glob.escape(final) + ".zload-tmp-*"))
+    if leftovers:
+        warnings.warn(f"zload: {len(leftovers)} temporary folders of earlier saves to {final} that never "
+                      f"finished (killed?) are still there; delete them to free the space: "
+                      f"{', '.join(leftovers)}", ZloadWarning, stacklevel=4)
+
+
 @collector_paused()
 def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          dtype: torch.dtype | None = None, master_weights: bool = False,
@@ -480,6 +492,8 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     planned, problems = problems_of("planning the save", plan_save)
     agree(problems, refused)
     targets, files, items = planned
+    if rank == 0:
+        _warn_about_leftovers(final)
 
     # rank 0 names the temporary sibling folder; every rank checks it can see it
     token = exchange(secrets.token_hex(8) if rank == 0 else None)[0]
