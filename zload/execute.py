@@ -3,9 +3,9 @@
 Reads are issued in file order; runs of file-contiguous ranges become one ``os.preadv`` that
 scatters the bytes to several buffers at once. A small thread pool reads the runs (``preadv``
 releases the GIL), each thread taking the next run when it is free. A range whose destination is
-a CPU tensor of the same dtype is read straight into the destination; the others land in one of two staging buffers and are copied (and cast) by
-``kernels.scatter_cast``: while one buffer is being copied out, the next batch is read into the
-other. For GPU destinations the staging buffers are pinned and each batch goes to the device on
+a CPU tensor of the same dtype is read straight into the destination; the others land in one of
+two staging buffers and are copied (and cast) by ``kernels.scatter_cast``: while one buffer is
+being copied out, the next batch is read into the other. For GPU destinations the staging buffers are pinned and each batch goes to the device on
 its own CUDA stream, so reads, host-to-device copies and the kernel overlap without a per-tensor
 synchronisation.
 """
@@ -185,7 +185,8 @@ class _Reader:
     def flush(self) -> None:
         """Start reading the batch queued so far; copy out the batch read before it."""
         queue = _RunQueue(self.runs, self.progress)
-        futures = [self.pool.submit(queue.read_until_empty) for _ in range(min(self.threads, len(self.runs)))]
+        workers = min(self.threads, len(self.runs))
+        futures = [self.pool.submit(queue.read_until_empty) for _ in range(workers)]
         batch = (futures, self._staging() if self.segments else None, self.segments)
         self.runs, self.segments, self.position = [], [], 0
         self._finish(self.pending)

@@ -445,8 +445,8 @@ def _warn_about_leftovers(final: str) -> None:
     one could belong to a save still running elsewhere."""
     leftovers = sorted(glob.glob(glob.escape(final) + ".zload-tmp-*"))
     if leftovers:
-        warnings.warn(f"zload: {len(leftovers)} temporary folders of earlier saves to {final} that never "
-                      f"finished (killed?) are still there; delete them to free the space: "
+        warnings.warn(f"zload: {len(leftovers)} temporary folders of earlier saves to {final} that "
+                      f"never finished (killed?) are still there; delete them to free the space: "
                       f"{', '.join(leftovers)}", ZloadWarning, stacklevel=4)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -185,8 +186,10 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
                 if rank == server:
                     if not problems:
                         view = _byte_view(message)
-                        got, problems = problems_of(f"reading for rank {requester}", lambda: read_ranges(
-                            [(part.file, part.offset, view[start:start + part.nbytes]) for start, part in batch]))
+                        ranges = [(part.file, part.offset, view[start:start + part.nbytes])
+                                  for start, part in batch]
+                        got, problems = problems_of(f"reading for rank {requester}",
+                                                    partial(read_ranges, ranges))
                         read += got or 0
                     message[used] = _FAILED if problems else _OK
                     dist.send(message.to(device), dst=requester)
@@ -197,8 +200,9 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
                     received += used
                     if int(incoming[used]) != _OK:
                         if not problems:
-                            problems.append(("CheckpointError", f"rank {server} could not read the bytes "
-                                             f"this rank lacks (see rank {server}'s problem)"))
+                            lost = (f"rank {server} could not read the bytes this rank lacks "
+                                    f"(see rank {server}'s problem)")
+                            problems.append(("CheckpointError", lost))
                         continue
                     segments = [Segment(start, getattr(torch, part.src_dtype), part.numel, part.target,
                                         part.dst_offset) for start, part in batch]
