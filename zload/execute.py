@@ -5,9 +5,9 @@ scatters the bytes to several buffers at once. A small thread pool reads the run
 releases the GIL), each thread taking the next run when it is free. A range whose destination is
 a CPU tensor of the same dtype is read straight into the destination; the others land in one of
 two staging buffers and are copied (and cast) by ``kernels.scatter_cast``: while one buffer is
-being copied out, the next batch is read into the other. For GPU destinations the staging buffers are pinned and each batch goes to the device on
-its own CUDA stream, so reads, host-to-device copies and the kernel overlap without a per-tensor
-synchronisation.
+being copied out, the next batch is read into the other. For GPU destinations the staging buffers
+are pinned and each batch goes to the device on its own CUDA stream, so reads, host-to-device
+copies and the kernel overlap without a per-tensor synchronisation.
 """
 
 from __future__ import annotations

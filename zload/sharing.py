@@ -182,8 +182,8 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
                         for s, k, offset, nbytes, numel, dtype in everyone[requester] if s == server]
             for batch in _batches(mine, capacity):
                 used = batch[-1][0] + batch[-1][1].nbytes
-                message = torch.empty(used + 1, dtype=torch.uint8)  # the batch, then its status
                 if rank == server:
+                    message = torch.empty(used + 1, dtype=torch.uint8)  # the batch, then its status
                     if not problems:
                         view = _byte_view(message)
                         ranges = [(part.file, part.offset, view[start:start + part.nbytes])
@@ -195,7 +195,7 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
                     dist.send(message.to(device), dst=requester)
                     sent += used
                 else:
-                    incoming = message.to(device)
+                    incoming = torch.empty(used + 1, dtype=torch.uint8, device=device)
                     dist.recv(incoming, src=server)
                     received += used
                     if int(incoming[used]) != _OK:
