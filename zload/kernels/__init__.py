@@ -6,9 +6,9 @@ torch implementation is the reference every faster backend must match bit for bi
 Backends (``ZLOAD_KERNEL`` = ``auto``, the default, ``torch`` or ``triton``):
 
 - ``torch`` (``torch_scatter.py``): one ``copy_`` (or ``zero_``) per segment, any device.
-- ``triton`` (``triton_scatter.py``): a few launches per call, one per (source dtype, destination
-  dtype) group, for CUDA destinations (CPU destinations under ``TRITON_INTERPRET=1``). Segments
-  it cannot take (float64 casts, non-contiguous or other-device destinations) go to torch.
+- ``triton`` (``triton_scatter.py``): one launch per call and device, whatever the mix of dtype
+  pairs, for CUDA destinations (CPU destinations under ``TRITON_INTERPRET=1``). Segments it
+  cannot take (float64 casts, non-contiguous or other-device destinations) go to torch.
 
 ``auto`` uses Triton when a segment's destination is a CUDA tensor and ``import triton`` works
 (tried once, on first need, so zload imports and runs without it), else torch; if the Triton

@@ -1,24 +1,21 @@
-"""The Triton implementation of ``scatter_cast``: a handful of launches per staging batch.
+"""The Triton implementation of ``scatter_cast``: one launch per staging batch (per device).
 
-Triton pointers are typed, so the segments of a batch are grouped by what the kernel does to
-them, and each group is one launch, whatever its number of segments and destinations:
+Program ``i`` copies row ``i`` of a block table: int64 rows of ``src_element, dst_element, count,
+code``, one row per ``block`` elements of a segment, ``src_element = -1`` for zeros. The code says
+what the row does: the destination's element width (1, 2, 4 or 8 bytes) and, for a cast, the source
+and destination float types (float32, float16, bfloat16). A row without a cast copies bits (same
+dtype, any dtype of that width) or, for a zero segment, stores zeros.
 
-- a cast group per (source dtype, destination dtype) pair of float32/float16/bfloat16 that
-  differ (at most 6);
-- a bit-copy group per element width (1, 2, 4 or 8 bytes) for segments whose source dtype is
-  the destination's (any dtype of that width, float or int), and for zero segments
-  (``src_dtype=None``: zero ``numel`` elements), which load nothing and store zeros (at most 4).
-
-So a batch takes at most 10 launches, per device. Each launch reads a block table (int64 rows of
-``src_element, dst_element, count``; one row per ``block`` elements of a segment, ``src_element
-= -1`` for zeros) and program ``i`` copies row ``i``: loads ``count`` elements from the staging
-buffer (the uint8 pointer cast to the group's element type), converts them and stores them. All
-the destinations of a group are addressed through ONE typed base pointer, the group's destination
-with the lowest address: a row's ``dst_element`` is ``(dst.data_ptr() - base.data_ptr()) //
-itemsize + dst_offset``. That is plain pointer arithmetic on the GPU, and it holds under
-``TRITON_INTERPRET=1`` too as long as the tensors are CPU tensors, whose storages the interpreter
-uses in place (the interpreter copies each *argument* of a CUDA tensor to the host, so it would
-address other destinations wildly: in interpreter mode only CPU destinations are taken).
+Triton pointers are typed, and a row's types are known only at run time: every program issues the
+loads and stores of all four widths, each masked off unless it is the row's, and computes every
+conversion, keeping the row's with ``tl.where``. Masked-off accesses touch no memory, and the
+arithmetic is cheap next to the memory traffic. So any mix of dtypes and destinations is ONE launch.
+All the destinations of one width are addressed through ONE typed base pointer, the destination of
+that width with the lowest address: a row's ``dst_element`` is ``(dst.data_ptr() -
+base.data_ptr()) // itemsize + dst_offset``. That is plain pointer arithmetic on the GPU, and it
+holds under ``TRITON_INTERPRET=1`` too as long as the tensors are CPU tensors, whose storages the
+interpreter uses in place (the interpreter copies each *argument* of a CUDA tensor to the host, so
+it would address other destinations wildly: in interpreter mode only CPU destinations are taken).
 ``tl.int64`` addresses cast to pointers are not used: the interpreter has no int-to-pointer cast.
 
 Conversions are done on integer bits so the interpreter and the GPU give the same bits, and the
@@ -45,48 +42,55 @@ import triton.language as tl
 
 BLOCK = 1024  # elements per program
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}  # 0: no cast
 _TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_TL_BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
-_TL_FLOAT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _scatter_cast_kernel(staging_ptr, dst_ptr, table_ptr, SRC: tl.constexpr, DST: tl.constexpr,
-                         SRC_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program i: row i of ``table`` (src_element or -1, dst_element, count). ``SRC == DST``
-    copies ``SRC_BITS`` elements; otherwise SRC, DST are float dtypes and ``dst_ptr`` points to
-    integers of DST's width. Everything is inline: helper jit functions would be bound to the mode
-    (compiled or interpreted) of their decoration."""
-    row = table_ptr + tl.program_id(0).to(tl.int64) * 3
+def _scatter_cast_kernel(staging_ptr, dst8_ptr, dst16_ptr, dst32_ptr, dst64_ptr, table_ptr,
+                         BLOCK: tl.constexpr):
+    """Program i: row i of ``table`` (src_element or -1, dst_element, count, code), where code =
+    destination width in bytes * 16 + source float code * 4 + destination float code (float codes:
+    0 none, 1 float32, 2 float16, 3 bfloat16). ``dstN_ptr`` is the base for destinations of N
+    bits. Everything is inline: helper jit functions would be bound to the mode (compiled or
+    interpreted) of their decoration."""
+    row = table_ptr + tl.program_id(0).to(tl.int64) * 4
     src_start = tl.load(row)
     dst_start = tl.load(row + 1)
     count = tl.load(row + 2)
+    code = tl.load(row + 3)
+    width = code >> 4
+    src_float = (code >> 2) & 3
+    dst_float = code & 3
+    cast = src_float != 0
+    src_width = tl.where(cast, tl.where(src_float == 1, 4, 2), width)
+    # Masks are "idx < a per-row limit" (0 where the row does not use that width): the interpreter
+    # turns ``&`` of a scalar and a block of booleans into integers, which tl.load refuses.
     idx = tl.arange(0, BLOCK)
-    src = staging_ptr.to(tl.pointer_type(SRC_BITS))
-    x = tl.load(src + src_start + idx, mask=idx < tl.where(src_start >= 0, count, 0), other=0)
-    if SRC == DST:
-        y = x
-    else:
-        # to float32, exactly
-        if SRC == tl.float32:
-            v = x.to(tl.float32, bitcast=True)
-        elif SRC == tl.float16:
-            v = x.to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            v = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        u = v.to(tl.uint32, bitcast=True)
-        nan = (u & 0x7FFFFFFF) > 0x7F800000
-        # float32 to DST, rounding to nearest even
-        if DST == tl.float32:
-            y = u.to(tl.int32, bitcast=True)
-        elif DST == tl.float16:
-            h = v.to(tl.float16).to(tl.uint16, bitcast=True)
-            canonical = (((u >> 16) & 0x8000) | 0x7E00).to(tl.uint16)
-            y = tl.where(nan, canonical, h).to(tl.int16, bitcast=True)
-        else:
-            rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-            y = tl.where(nan, 0x7FC0, rounded).to(tl.uint16).to(tl.int16, bitcast=True)
-    tl.store(dst_ptr + dst_start + idx, y, mask=idx < count)
+    reads = tl.where(src_start >= 0, count, 0)
+    x8 = tl.load(staging_ptr + src_start + idx, mask=idx < tl.where(src_width == 1, reads, 0), other=0)
+    x16 = tl.load(staging_ptr.to(tl.pointer_type(tl.int16)) + src_start + idx,
+                  mask=idx < tl.where(src_width == 2, reads, 0), other=0)
+    x32 = tl.load(staging_ptr.to(tl.pointer_type(tl.int32)) + src_start + idx,
+                  mask=idx < tl.where(src_width == 4, reads, 0), other=0)
+    x64 = tl.load(staging_ptr.to(tl.pointer_type(tl.int64)) + src_start + idx,
+                  mask=idx < tl.where(src_width == 8, reads, 0), other=0)
+    # a cast goes through float32, exactly
+    from_f16 = x16.to(tl.float16, bitcast=True).to(tl.float32).to(tl.uint32, bitcast=True)
+    from_bf16 = x16.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+    u = tl.where(src_float == 1, x32.to(tl.uint32, bitcast=True),
+                 tl.where(src_float == 2, from_f16, from_bf16))
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    # float32 to the 16-bit types, rounding to nearest even
+    to_f16 = tl.where(nan, (((u >> 16) & 0x8000) | 0x7E00).to(tl.uint16),
+                      u.to(tl.float32, bitcast=True).to(tl.float16).to(tl.uint16, bitcast=True))
+    to_bf16 = tl.where(nan, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
+    cast16 = tl.where(dst_float == 2, to_f16, to_bf16).to(tl.int16, bitcast=True)
+    tl.store(dst8_ptr + dst_start + idx, x8, mask=idx < tl.where(width == 1, count, 0))
+    tl.store(dst16_ptr + dst_start + idx, tl.where(cast, cast16, x16),
+             mask=idx < tl.where(width == 2, count, 0))
+    tl.store(dst32_ptr + dst_start + idx, tl.where(cast, u.to(tl.int32, bitcast=True), x32),
+             mask=idx < tl.where(width == 4, count, 0))
+    tl.store(dst64_ptr + dst_start + idx, x64, mask=idx < tl.where(width == 8, count, 0))
 
 
 _KERNELS: dict[bool, object] = {}
@@ -116,47 +120,43 @@ def _usable(tensor: torch.Tensor, interpret: bool) -> bool:
     return tensor.is_cuda
 
 
-def _group_key(seg, dst: torch.Tensor):
-    """(kind, width, src dtype, dst dtype) of the launch that takes ``seg``, or None."""
+def _row_code(seg, dst: torch.Tensor) -> int | None:
+    """The kernel's code for ``seg`` (see ``_scatter_cast_kernel``), or None if it cannot take it."""
     width = dst.element_size()
     if seg.src_dtype is None or seg.src_dtype == dst.dtype:
-        return ("bits", width) if width in _TORCH_BITS else None
-    if seg.src_dtype in _FLOATS and dst.dtype in _FLOATS:
-        return ("cast", seg.src_dtype, dst.dtype)
+        return width * 16 if width in _TORCH_BITS else None
+    if seg.src_dtype in _FLOAT_CODES and dst.dtype in _FLOAT_CODES:
+        return width * 16 + _FLOAT_CODES[seg.src_dtype] * 4 + _FLOAT_CODES[dst.dtype]
     return None
 
 
 def scatter_cast_triton(staging: torch.Tensor, segments, destinations, block: int = BLOCK) -> list:
-    """Launch the kernel for every segment it can take; return the others (for the torch path).
-
-    ``block`` (a power of two) is the elements per program; tests make it small.
+    """Launch the kernel once per device for every segment it can take; return the others (for
+    the torch path). ``block`` (a power of two) is the elements per program; tests make it small.
     """
     interpret = interpreting()
     staging_ok = staging.dim() == 1 and staging.dtype == torch.uint8 and staging.is_contiguous()
-    rest, groups = [], {}
+    rest, by_device = [], {}
     for seg in segments:
         if seg.numel == 0:
             continue
         dst = destinations[seg.dst]
-        key = None
+        code = None
         if (_usable(dst, interpret) and dst.dim() == 1 and dst.is_contiguous()
                 and dst.data_ptr() % dst.element_size() == 0):
-            key = _group_key(seg, dst)
-        if key is not None and seg.src_dtype is not None:
+            code = _row_code(seg, dst)
+        if code is not None and seg.src_dtype is not None:
             itemsize = seg.src_dtype.itemsize
             if (not staging_ok or staging.data_ptr() % itemsize or seg.staging_offset % itemsize
                     or (interpret and staging.device.type != "cpu")):
-                key = None
-        if key is None:
+                code = None
+        if code is None:
             rest.append(seg)
             continue
         _check_bounds(staging, seg, dst)
-        groups.setdefault((dst.device, key), []).append(seg)
-    by_device: dict[torch.device, list] = {}
-    for (device, key), segs in groups.items():
-        by_device.setdefault(device, []).append((key, segs))
-    for device, launches in by_device.items():
-        _launch_all(staging, destinations, device, launches, block)
+        by_device.setdefault(dst.device, []).append((seg, code))
+    for device, taken in by_device.items():
+        _launch(staging, destinations, device, taken, block)
     return rest
 
 
@@ -172,27 +172,28 @@ def _check_bounds(staging, seg, dst) -> None:
                              f"({staging.numel()} bytes)")
 
 
-def _launch_all(staging, destinations, device, launches, block) -> None:
-    tables, plans = [], []
+def _launch(staging, destinations, device, taken, block) -> None:
+    """One launch for all ``taken`` (segment, code) pairs of destinations on ``device``."""
+    bases = {}  # width -> the destination of that width with the lowest address
+    for seg, _ in taken:
+        dst = destinations[seg.dst]
+        width = dst.element_size()
+        if width not in bases or dst.data_ptr() < bases[width].data_ptr():
+            bases[width] = dst
+    src_elem, dst_elem, numel, codes = [], [], [], []
     used = 0
-    for key, segs in launches:
-        width = destinations[segs[0].dst].element_size()
-        # one typed base per group: the destination with the lowest address
-        base_index = min({s.dst for s in segs}, key=lambda i: destinations[i].data_ptr())
-        base_ptr = destinations[base_index].data_ptr()
-        src_elem, dst_elem, numel = [], [], []
-        for s in segs:
-            if s.src_dtype is None:
-                src_elem.append(-1)
-            else:
-                src_elem.append(s.staging_offset // s.src_dtype.itemsize)
-                used = max(used, s.staging_offset + s.numel * s.src_dtype.itemsize)
-            dst_elem.append((destinations[s.dst].data_ptr() - base_ptr) // width + s.dst_offset)
-            numel.append(s.numel)
-        table = _block_table(src_elem, dst_elem, numel, block)
-        tables.append(table)
-        plans.append((key, base_index, table.shape[0]))
-    table = torch.cat(tables).to(device)
+    for seg, code in taken:
+        dst = destinations[seg.dst]
+        width = dst.element_size()
+        if seg.src_dtype is None:
+            src_elem.append(-1)
+        else:
+            src_elem.append(seg.staging_offset // seg.src_dtype.itemsize)
+            used = max(used, seg.staging_offset + seg.numel * seg.src_dtype.itemsize)
+        dst_elem.append((dst.data_ptr() - bases[width].data_ptr()) // width + seg.dst_offset)
+        numel.append(seg.numel)
+        codes.append(code)
+    table = _block_table(src_elem, dst_elem, numel, codes, block).to(device)
     if staging.device == device:
         staging_dev = staging
     else:
@@ -200,33 +201,22 @@ def _launch_all(staging, destinations, device, launches, block) -> None:
         staging_dev = staging[:used].to(device)
     if staging_dev.numel() == 0:
         staging_dev = torch.zeros(8, dtype=torch.uint8, device=device)
-    kernel = _kernel()
-    row = 0
+    # typed bases; a width no destination has gets a stand-in its masked stores never touch
+    typed = [bases[w].view(bits) if w in bases else torch.zeros(1, dtype=bits, device=device)
+             for w, bits in _TORCH_BITS.items()]
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-        for key, base_index, rows in plans:
-            base = destinations[base_index]
-            if key[0] == "bits":
-                bits = _TL_BITS[key[1]]
-                src_ty, dst_ty, src_bits = bits, bits, bits
-                base = base.view(_TORCH_BITS[key[1]])
-            else:
-                _, src_dtype, dst_dtype = key
-                src_ty, dst_ty = _TL_FLOAT[src_dtype], _TL_FLOAT[dst_dtype]
-                src_bits = _TL_BITS[src_dtype.itemsize]
-                base = base.view(_TORCH_BITS[dst_dtype.itemsize])
-            kernel[(rows,)](staging_dev, base, table[row:row + rows], SRC=src_ty, DST=dst_ty,
-                            SRC_BITS=src_bits, BLOCK=block)
-            row += rows
+        _kernel()[(table.shape[0],)](staging_dev, *typed, table, BLOCK=block)
 
 
-def _block_table(src_elem, dst_elem, numel, block) -> torch.Tensor:
-    """Rows (src element or -1, dst element, count) of at most ``block`` elements each."""
+def _block_table(src_elem, dst_elem, numel, codes, block) -> torch.Tensor:
+    """Rows (src element or -1, dst element, count, code) of at most ``block`` elements each."""
     src = torch.tensor(src_elem, dtype=torch.int64)
     dst = torch.tensor(dst_elem, dtype=torch.int64)
     n = torch.tensor(numel, dtype=torch.int64)
+    code = torch.tensor(codes, dtype=torch.int64)
     blocks = (n + block - 1) // block
     seg = torch.repeat_interleave(torch.arange(len(numel)), blocks)
     first = torch.cumsum(blocks, 0) - blocks
     start = (torch.arange(seg.numel()) - first[seg]) * block
     src_rows = torch.where(src[seg] >= 0, src[seg] + start, -1)
-    return torch.stack([src_rows, dst[seg] + start, (n[seg] - start).clamp(max=block)], dim=1)
+    return torch.stack([src_rows, dst[seg] + start, (n[seg] - start).clamp(max=block), code[seg]], dim=1)
