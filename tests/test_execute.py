@@ -283,7 +283,7 @@ def test_scatter_cast_segments():
                                                                     generator=g)]
     staging = torch.full((1024,), 0xAB, dtype=torch.uint8)
     segments, offset = [], 0
-    plan = [(0, 2, 3), (1, 0, 0), (2, 1, 11), (3, 0, 64), (0, 0, 40), (2, 2, 77)]  # src, dst, off
+    plan = [(0, 2, 3), (1, 0, 0), (2, 1, 11), (3, 0, 100), (0, 0, 40), (2, 2, 77)]  # src, dst, off; no overlap
     destinations = [torch.full((200,), 7.0, dtype=d) for d in DST_DTYPES]
     expected = [d.clone() for d in destinations]
     for src_index, dst, dst_offset in plan:

@@ -167,6 +167,36 @@ def test_frozen_params_and_master_weights_from_bf16_engine(tmp_path, world):
     assert run_world(world, _frozen_engine_body, str(tmp_path)) == [21] * world
 
 
+def _transposed_master_body(root):
+    """master_weights reaches tensors whose conversion is no byte layout (gathered and converted
+    by one rank) as well as the partition-written ones."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    cls, make_config = MODELS["transposed_llama"]
+    with deepspeed.zero.Init(config_dict_or_path=ENGINE_CONFIG):
+        model = cls(make_config())
+    _randomize(model, seed=9)
+    engine, *_ = deepspeed.initialize(model=model, config=ENGINE_CONFIG,
+                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, 53, (2, 8), generator=torch.Generator().manual_seed(4))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    report = zload.save(engine, Path(root) / "master", master_weights=True)
+    saved = _read_all(Path(root) / "master")
+    for name, p in engine.module.named_parameters():
+        want = safe_get_full_fp32_param(p)  # a collective: every rank, same order
+        if name.endswith("mlp.up_proj.weight"):
+            want = want.t()  # the checkpoint stores it transposed
+        assert_bit_equal(saved[name], want, f"master: {name}")
+    return report.gathered
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_master_weights_of_converted_tensors(tmp_path, world):
+    for gathered in run_world(world, _transposed_master_body, str(tmp_path)):
+        assert gathered == ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+
 # ---------------------------------------------------------------------------------------------
 # B, D (dtype), E (shared vs streamed), F (bad size, big tensor): one world-3 save per model
 

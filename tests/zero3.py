@@ -42,10 +42,12 @@ def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
 def check_against(model, expected: dict[str, torch.Tensor], names=None) -> int:
     """Gather every parameter and compare each named tensor with ``expected[name].to(dtype)``.
 
-    Also checks that the ZeRO-3 padding of those tensors was zeroed. Returns the number compared.
+    Without ``names``, ``expected`` must cover every parameter of the model (under one of its tied
+    names). Also checks that the ZeRO-3 padding of those tensors was zeroed. Returns the number
+    compared.
     """
     params = list(model.parameters())
-    compared = 0
+    compared, seen = 0, set()
     with deepspeed.zero.GatheredParameters(params):
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
@@ -53,6 +55,10 @@ def check_against(model, expected: dict[str, torch.Tensor], names=None) -> int:
             actual = tensors[name]
             assert_bit_equal(actual.data, expected[name].to(actual.dtype), f"rank {dist.get_rank()}: {name}")
             compared += 1
+            seen.add(id(actual))
+    if names is None:
+        uncovered = [n for n, p in model.named_parameters() if id(p) not in seen]
+        assert not uncovered, f"parameters the reference does not cover: {uncovered[:10]}"
     for name, p in model.named_parameters(remove_duplicate=False):
         if hasattr(p, "ds_tensor") and name in (names or expected):
             part = p.ds_tensor.view(-1)

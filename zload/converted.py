@@ -7,13 +7,12 @@ converts, and sends each rank its own partition; every rank takes part in the sa
 
 from __future__ import annotations
 
-import traceback
 from math import prod
 
 import torch
 import torch.distributed as dist
 
-from .distributed import agree, rank_and_world
+from .distributed import agree, comm_device, problems_of, rank_and_world
 from .errors import ZloadError
 from .execute import read_tensor
 from .plan import LoadPlan
@@ -22,16 +21,15 @@ from .targets import PARTITION
 
 
 def _build(source, dtype) -> tuple[torch.Tensor | None, list]:
-    """Run the conversion; turn a failure into a problem so the other ranks are not left waiting."""
-    try:
+    """Run the conversion; a failure becomes a problem so the other ranks are not left waiting."""
+    def convert():
         tensor = source.convert(read_tensor).to(dtype).reshape(-1).contiguous()
-    except Exception as e:
-        traceback.print_exc()
-        return None, [("ZloadError", f"converting {list(source.names)} failed: {type(e).__name__}: {e}")]
-    if tensor.numel() != prod(source.shape):
-        return None, [("ZloadError", f"converting {list(source.names)} gave {tensor.numel()} elements, "
-                                     f"expected shape {list(source.shape)}")]
-    return tensor, []
+        if tensor.numel() != prod(source.shape):
+            raise ZloadError(f"converting {list(source.names)} gave {tensor.numel()} elements, "
+                             f"expected shape {list(source.shape)}")
+        return tensor
+
+    return problems_of(f"converting {list(source.names)}", convert)
 
 
 def load_converted(plan: LoadPlan, dests: list[torch.Tensor], shared: SharedIndex) -> int:
@@ -59,7 +57,7 @@ def load_converted(plan: LoadPlan, dests: list[torch.Tensor], shared: SharedInde
             if world > 1:
                 if tensor is None:
                     tensor = torch.empty(prod(source.shape), dtype=dst.dtype)
-                tensor = tensor.to(dst.device)
+                tensor = tensor.to(comm_device())  # the backend's device, not necessarily dst's
                 dist.broadcast(tensor, src=reader)
             dst.copy_(tensor)
     return bytes_read
@@ -77,16 +75,17 @@ def _deliver_partition(target, tensor, dst: torch.Tensor, reader: int) -> None:
     group = target.tensor.ds_process_group
     if dist.get_world_size(group) != world:
         full = tensor if tensor is not None else torch.empty(part.numel, dtype=dst.dtype)
-        full = full.to(dst.device)
+        full = full.to(comm_device())
         dist.broadcast(full, src=reader)
         dst[:part.valid].copy_(full[mine])
         return
     chunks = None
+    device = comm_device()
     if rank == reader:
-        padded = torch.zeros(part.size * part.world, dtype=dst.dtype, device=dst.device)
+        padded = torch.zeros(part.size * part.world, dtype=dst.dtype, device=device)
         padded[:part.numel] = tensor
         by_partition = padded.split(part.size)
         chunks = [by_partition[dist.get_group_rank(group, g)] for g in range(world)]
-    received = torch.empty(part.size, dtype=dst.dtype, device=dst.device)
+    received = torch.empty(part.size, dtype=dst.dtype, device=device)
     dist.scatter(received, chunks, src=reader)
     dst.copy_(received)

@@ -23,6 +23,15 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def comm_device():
+    """Where the backend takes tensors: the current GPU for NCCL, else the CPU (gloo)."""
+    import torch
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def exchange(obj) -> list:
     """Every rank's ``obj``, in rank order (a list of one without torch.distributed)."""
     _, world = rank_and_world()

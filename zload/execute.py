@@ -101,8 +101,8 @@ class _RunQueue:
 
 
 class _Staging:
-    """One staging buffer: host bytes (pinned for a GPU), plus its device copy and the event
-    that says when the host buffer may be refilled."""
+    """One staging buffer: host bytes (pinned for a GPU), plus its device copy and the events
+    that say when the host buffer may be refilled and when the device copy may be."""
 
     def __init__(self, capacity: int, device: torch.device):
         self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -110,6 +110,7 @@ class _Staging:
         self.device_copy = torch.empty(capacity, dtype=torch.uint8, device=device) \
             if device.type == "cuda" else None
         self.copied = None  # CUDA event: host -> device copy done
+        self.consumed = None  # CUDA event: the kernel reading the device copy done
 
     def ready_for_reading(self) -> None:
         if self.copied is not None:
@@ -212,14 +213,19 @@ class _Reader:
             scatter_cast(staging.host, segments, self.destinations)
             return
         used = max(s.staging_offset + s.numel * s.src_dtype.itemsize for s in segments)
-        # the kernel that read this device buffer two batches ago must be done before it is refilled
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if staging.consumed is not None:
+            # the kernel that read this device buffer two batches ago; the previous batch's kernel
+            # (the other buffer) may still run while this copy does
+            self.stream.wait_event(staging.consumed)
         with torch.cuda.stream(self.stream):
             staging.device_copy[:used].copy_(staging.host[:used], non_blocking=True)
             staging.copied = torch.cuda.Event()
             staging.copied.record(self.stream)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        main = torch.cuda.current_stream(self.device)
+        main.wait_event(staging.copied)
         scatter_cast(staging.device_copy, segments, self.destinations)
+        staging.consumed = torch.cuda.Event()
+        staging.consumed.record(main)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

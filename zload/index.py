@@ -184,12 +184,12 @@ def _index_from_weight_map(index_path: str, missing_ok: bool) -> CheckpointIndex
     folder = os.path.dirname(os.path.abspath(index_path))
     shards = sorted(set(weight_map.values()))
     tensors: dict[str, TensorEntry] = {}
-    absent = []
+    absent: set[str] = set()  # shard names
     for shard in shards:
         shard_path = os.path.join(folder, shard)
         if not os.path.isfile(shard_path):
             if missing_ok:
-                absent.append(shard_path)
+                absent.add(shard)
                 continue
             raise CheckpointError(f"{shard_path}: shard listed in {index_path} does not exist")
         for name, entry in read_header(shard_path).items():
@@ -201,11 +201,11 @@ def _index_from_weight_map(index_path: str, missing_ok: bool) -> CheckpointIndex
                                       f"{index_path}")
             tensors[name] = entry
     for name, shard in weight_map.items():
-        if name not in tensors and os.path.join(folder, shard) not in absent:
+        if name not in tensors and shard not in absent:
             raise CheckpointError(f"{os.path.join(folder, shard)}: tensor '{name}' listed in "
                                   f"{index_path} is not in the shard")
     return CheckpointIndex(index_path, tuple(os.path.join(folder, s) for s in shards), tensors,
-                           tuple(absent))
+                           tuple(os.path.join(folder, s) for s in sorted(absent)))
 
 
 def _resolve(path: str) -> str:

@@ -25,7 +25,7 @@ from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
 from .progress import progress_for
 from .sharing import fetch_remote, share_index
-from .report import LoadReport
+from .report import LoadReport, shortened
 from .targets import ORPHAN, PARTITION, collect_targets, unwrap, zero_partition, zero_sibling
 from .converted import load_converted
 
@@ -134,7 +134,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
         left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
         if strict and left:
             plan.problems.append(f"{len(left)} parameters built by zload.init (uninitialised memory) "
-                                 f"would stay unwritten (strict=True): {', '.join(left[:20])}")
+                                 f"would stay unwritten (strict=True): {shortened(left, 20)}")
         return plan
 
     plan, problems = problems_of("planning", plan_load)
@@ -174,14 +174,14 @@ def _warn(report: LoadReport, uninitialised: list[str]) -> None:
     wrapper, the caller (stacklevel 4)."""
     if uninitialised:
         warnings.warn(f"zload: {len(uninitialised)} parameters built by zload.init hold uninitialised "
-                      f"memory (no load has written them): {', '.join(uninitialised[:20])}",
+                      f"memory (no load has written them): {shortened(uninitialised, 20)}",
                       ZloadWarning, stacklevel=4)
     if report.unexpected:
         warnings.warn(f"zload: {len(report.unexpected)} checkpoint tensors are not in the model and "
-                      f"were skipped: {', '.join(report.unexpected[:20])}", ZloadWarning, stacklevel=4)
+                      f"were skipped: {shortened(report.unexpected, 20)}", ZloadWarning, stacklevel=4)
     if report.missing:
         warnings.warn(f"zload: {len(report.missing)} model tensors are not in the checkpoint and "
-                      f"were left as they were: {', '.join(report.missing[:20])}", ZloadWarning,
+                      f"were left as they were: {shortened(report.missing, 20)}", ZloadWarning,
                       stacklevel=4)
     for name in report.repaired_orphans:
         warnings.warn(f"zload: '{name}' was a plain [0]-shaped parameter (re-created after zero.Init); "

@@ -281,12 +281,13 @@ def _pieces_from_layout(group, meta_out, module, converter, target_key) -> dict[
     import torch
 
     def stand_in(entry):
-        j = entries.index(entry)
+        j = position[entry.name]
         rows = prod(entry.shape[:-1]) if entry.shape else 0
         codes = torch.arange(rows, dtype=torch.int64) + (j << 40)
         return codes.reshape(*entry.shape[:-1], 1)
 
     entries = [e for _, e in group]
+    position = {e.name: j for j, e in enumerate(entries)}
     if any(len(e.shape) == 0 for e in entries):
         return None
     coded = _run_converter(converter, target_key, group, stand_in, module)

@@ -11,6 +11,7 @@ from math import prod
 
 from .index import DTYPES, CheckpointIndex
 from .names import Matching, Source, match
+from .report import shortened
 from .targets import ORPHAN, PARTITION, Target
 
 _FLOATING = {"float16", "bfloat16", "float32", "float64"}
@@ -35,7 +36,6 @@ class LoadPlan:
     """What this rank will read and write, and everything that stands in the way."""
 
     targets: list[Target]
-    source: str = ""
     checkpoint_bytes: int = 0
     items: list[ReadItem] = field(default_factory=list)
     sources: dict[int, Source] = field(default_factory=dict)  # target index -> its source
@@ -103,7 +103,7 @@ def make_plan(index: CheckpointIndex, targets: list[Target], *, strict: bool = T
     names are matched as they are.
     """
     matching = matching or match(index, targets)
-    plan = LoadPlan(targets, index.source, index.total_bytes, unexpected=matching.unexpected,
+    plan = LoadPlan(targets, index.total_bytes, unexpected=matching.unexpected,
                     problems=list(matching.problems))
     for i, target in enumerate(targets):
         source = matching.sources.get(i)
@@ -127,7 +127,6 @@ def make_plan(index: CheckpointIndex, targets: list[Target], *, strict: bool = T
         else:
             plan.items.extend(_reads(target, i, source))
     if strict and plan.missing:
-        shown = ", ".join(plan.missing[:20]) + (" ..." if len(plan.missing) > 20 else "")
         plan.problems.append(f"{len(plan.missing)} model tensors are not in the checkpoint "
-                             f"{index.source} (strict=True): {shown}")
+                             f"{index.source} (strict=True): {shortened(plan.missing, 20)}")
     return plan

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def _names(names: list[str], limit: int = 8) -> str:
+def shortened(names: list[str], limit: int = 8) -> str:
+    """The first ``limit`` names, and how many more there are."""
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
@@ -54,7 +55,7 @@ class LoadReport:
                              ("repaired orphans", self.repaired_orphans),
                              ("converted on one rank (slow path)", self.slow_path)):
             if names:
-                lines.append(f"  {label} ({len(names)}): {_names(names)}")
+                lines.append(f"  {label} ({len(names)}): {shortened(names)}")
         for pair, names in self.conversions.items():
             lines.append(f"  converted {pair}: {len(names)} tensors")
         return "\n".join(lines)

@@ -23,7 +23,7 @@ from math import prod
 import torch
 
 from .collector import collector_paused
-from .distributed import agree, exchange, problems_of, rank_and_world
+from .distributed import agree, comm_device, exchange, problems_of, rank_and_world
 from .errors import ZloadError, ZloadWarning
 from .index import DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry
 from .names import conversion_registry, match, peft_info, peft_role
@@ -288,17 +288,18 @@ def _stream_to_rank0(items, sources, folder: str, buffer_bytes: int) -> int:
     import torch.distributed as dist
 
     rank, world = rank_and_world()
-    batches = exchange([[(i.file, i.offset, i.nbytes) for i in batch]
-                        for batch in _batch(items, buffer_bytes)])
+    device = comm_device()  # NCCL takes GPU tensors only
+    mine = _batch(items, buffer_bytes)
+    batches = exchange([[(i.file, i.offset, i.nbytes) for i in batch] for batch in mine])
     if rank == 0:
         done = _write_local(items, sources, folder, buffer_bytes)
         files = _Files(folder)
         try:
             for sender in range(1, world):
                 for batch in batches[sender]:
-                    incoming = torch.empty(sum(n for _, _, n in batch), dtype=torch.uint8)
+                    incoming = torch.empty(sum(n for _, _, n in batch), dtype=torch.uint8, device=device)
                     dist.recv(incoming, src=sender)
-                    data, position = memoryview(incoming.numpy()), 0
+                    data, position = memoryview(incoming.cpu().numpy()), 0
                     for file, offset, nbytes in batch:
                         _pwrite_all(files.fd(file), data[position:position + nbytes], offset)
                         position += nbytes
@@ -307,10 +308,10 @@ def _stream_to_rank0(items, sources, folder: str, buffer_bytes: int) -> int:
             files.close(sync=True)
         return done
     sent = 0
-    for batch in _batch(items, buffer_bytes):
+    for batch in mine:
         payload = torch.cat([torch.frombuffer(bytearray(data), dtype=torch.uint8)
                              for item in batch for _, data in _chunks(item, sources[item.target], 1 << 62)])
-        dist.send(payload, dst=0)
+        dist.send(payload.to(device), dst=0)
         sent += payload.numel()
     return sent
 
@@ -335,10 +336,11 @@ def _batch(items: list[WriteItem], buffer_bytes: int) -> list[list[WriteItem]]:
 
 
 def _write_converted(module, targets: list[Target], files: list[OutFile], folder: str,
-                     shared: bool) -> tuple[int, list[str]]:
+                     shared: bool, master_weights: bool) -> tuple[int, list[str]]:
     """Tensors whose transformers conversion is no byte layout: for each group of targets, all
-    ranks gather those targets only, and one rank runs transformers' reversed conversion and
-    writes the results. Returns (bytes written here, names of the gathered targets)."""
+    ranks gather those targets only (their fp32 masters with ``master_weights``), and one rank
+    runs transformers' reversed conversion and writes the results. Returns (bytes written here,
+    names of the gathered targets)."""
     placed = {t.name: (f.name, t, position) for f in files for t, position in f.tensors if t.built_from}
     groups = list(dict.fromkeys(t.built_from for _, t, _ in placed.values()))
     written, gathered = 0, []
@@ -353,9 +355,10 @@ def _write_converted(module, targets: list[Target], files: list[OutFile], folder
         params = [targets[i].tensor for i in group if targets[i].kind == PARTITION]
         problems = []
         with deepspeed.zero.GatheredParameters(params):
+            # every rank: gathering a master is a collective
+            full = {targets[i].name: _full_value(targets[i], master_weights) for i in group}
             if rank == writer:
                 try:
-                    full = {targets[i].name: targets[i].tensor.data for i in group}
                     with conversion_registry():
                         converted = revert_weight_conversion(module, full)
                     out = _Files(folder)
@@ -374,6 +377,17 @@ def _write_converted(module, targets: list[Target], files: list[OutFile], folder
         agree(problems, "zload: save failed")
         gathered += [targets[i].name for i in group]
     return written, gathered
+
+
+def _full_value(target: Target, master_weights: bool) -> torch.Tensor:
+    """A gathered target's whole tensor: its fp32 master where asked for and kept, else its data."""
+    if master_weights and target.kind == PARTITION and target.tensor.requires_grad:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        master = safe_get_full_fp32_param(target.tensor)
+        if master is not None:
+            return master
+    return target.tensor.data
 
 
 def _sees(marker: str, token: str) -> bool:
@@ -524,7 +538,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
 
         written, problems = problems_of("writing", write)
         agree(problems, refused)
-        converted_bytes, gathered = _write_converted(module, targets, files, tmp, shared)
+        converted_bytes, gathered = _write_converted(module, targets, files, tmp, shared, master_weights)
         written += converted_bytes
 
         def publish():

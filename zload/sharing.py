@@ -16,7 +16,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .distributed import exchange, problems_of, raise_for, rank_and_world
+from .distributed import comm_device, exchange, problems_of, raise_for, rank_and_world
 from .errors import CheckpointError, ZloadError
 from .execute import _ALIGN, DEFAULT_STAGING_BYTES, _byte_view, align, read_ranges
 from .index import CheckpointIndex, TensorEntry, open_checkpoint
@@ -146,12 +146,6 @@ def _server(readers: list[int], requester: int, world: int) -> int:
     return readers[lacking.index(requester) % len(readers)]
 
 
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.Tensor],
                  staging_bytes: int = DEFAULT_STAGING_BYTES) -> tuple[int, int, int, list]:
     """Exchange the byte ranges ``items`` (this rank's reads of files it lacks) with their readers.
@@ -160,7 +154,8 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     sent, bytes received, problems). Pairs (reader -> requester) are served in one global order, so
     the blocking sends and receives cannot deadlock; memory is one batch of ``staging_bytes``.
     Each batch ends in a status byte: a reader whose read fails still sends every batch it owes
-    (marked failed, unread), so no requester waits forever; the caller agrees on the problems.
+    (marked failed, unread), and a rank that fails to write what it received keeps receiving, so
+    no rank waits forever; the caller agrees on the problems.
     """
     rank, world = rank_and_world()
     key = os.path.basename
@@ -169,7 +164,7 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     everyone = exchange(wire)
     read = sent = received = 0
     problems: list[tuple[str, str]] = []
-    device = _comm_device()
+    device = comm_device()
     capacity = max(_ALIGN * 2, staging_bytes)
     for requester in range(world):
         for server in sorted({w[0] for w in everyone[requester]}):
@@ -198,13 +193,14 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
                     incoming = torch.empty(used + 1, dtype=torch.uint8, device=device)
                     dist.recv(incoming, src=server)
                     received += used
-                    if int(incoming[used]) != _OK:
-                        if not problems:
-                            lost = (f"rank {server} could not read the bytes this rank lacks "
-                                    f"(see rank {server}'s problem)")
-                            problems.append(("CheckpointError", lost))
-                        continue
+                    if int(incoming[used]) != _OK and not problems:
+                        lost = (f"rank {server} could not read the bytes this rank lacks "
+                                f"(see rank {server}'s problem)")
+                        problems.append(("CheckpointError", lost))
+                    if problems:
+                        continue  # the load has failed: keep every send and receive, write no more
                     segments = [Segment(start, getattr(torch, part.src_dtype), part.numel, part.target,
                                         part.dst_offset) for start, part in batch]
-                    scatter_cast(incoming, segments, dests)
+                    _, problems = problems_of(f"writing the bytes rank {server} sent",
+                                              partial(scatter_cast, incoming, segments, dests))
     return read, sent, received, problems

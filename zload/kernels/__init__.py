@@ -58,7 +58,6 @@ def scatter_cast(staging, segments, destinations) -> None:
     if choice == "auto":
         choice = "triton" if _auto_triton(segments, destinations) else "torch"
     if choice == "triton":
-        rest = segments
         try:
             from .triton_scatter import scatter_cast_triton
 

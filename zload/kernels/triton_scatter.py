@@ -193,16 +193,18 @@ def _launch(staging, destinations, device, taken, block) -> None:
         dst_elem.append((dst.data_ptr() - bases[width].data_ptr()) // width + seg.dst_offset)
         numel.append(seg.numel)
         codes.append(code)
-    table = _block_table(src_elem, dst_elem, numel, codes, block).to(device)
+    table = _block_table(src_elem, dst_elem, numel, codes, block)
+    if device.type == "cuda":  # from pinned memory, so the copy does not block the host
+        table = table.pin_memory().to(device, non_blocking=True)
     if staging.device == device:
         staging_dev = staging
     else:
         # one copy of the bytes in use; blocking, so the caller may refill ``staging`` at once
         staging_dev = staging[:used].to(device)
     if staging_dev.numel() == 0:
-        staging_dev = torch.zeros(8, dtype=torch.uint8, device=device)
+        staging_dev = torch.empty(8, dtype=torch.uint8, device=device)  # never read
     # typed bases; a width no destination has gets a stand-in its masked stores never touch
-    typed = [bases[w].view(bits) if w in bases else torch.zeros(1, dtype=bits, device=device)
+    typed = [bases[w].view(bits) if w in bases else torch.empty(1, dtype=bits, device=device)
              for w, bits in _TORCH_BITS.items()]
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
         _kernel()[(table.shape[0],)](staging_dev, *typed, table, BLOCK=block)
