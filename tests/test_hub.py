@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import zload
 from zload.hub import ALLOW_PATTERNS, resolve_checkpoint
@@ -92,7 +93,7 @@ def snapshot(cache):
 
 @pytest.mark.parametrize("revision", [None, "main", COMMIT])
 def test_repo_id_resolves_to_cached_snapshot(snapshot, revision):
-    local = resolve_checkpoint(REPO, revision=revision)
+    local = resolve_checkpoint(REPO, revision, local=False)
     assert Path(local) == snapshot
     index = zload.open_checkpoint(local)
     assert sorted(index.tensors) == sorted(STATE) and len(index.files) == 2
@@ -108,7 +109,7 @@ def test_only_safetensors_index_and_configs_are_fetched(snapshot, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
-    assert Path(resolve_checkpoint(REPO)) == snapshot
+    assert Path(resolve_checkpoint(REPO, None, local=False)) == snapshot
     (kwargs,) = calls
     assert kwargs["allow_patterns"] == ALLOW_PATTERNS == [
         "*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json"]
@@ -120,7 +121,7 @@ def test_only_safetensors_index_and_configs_are_fetched(snapshot, monkeypatch):
 
 def test_uncached_revision_is_named(snapshot):
     with pytest.raises(zload.CheckpointError) as info:
-        resolve_checkpoint(REPO, revision="v2")
+        resolve_checkpoint(REPO, "v2", local=False)
     message = str(info.value)
     assert REPO in message and "revision v2" in message
     assert f"hf download {REPO} --revision v2" in message and "HF_HUB_OFFLINE=1" in message
@@ -128,36 +129,29 @@ def test_uncached_revision_is_named(snapshot):
 
 def test_unknown_repo_offline_says_how_to_download(cache):
     with pytest.raises(zload.CheckpointError) as info:
-        resolve_checkpoint("other-org/missing")
+        resolve_checkpoint("other-org/missing", None, local=False)
     message = str(info.value)
     assert "other-org/missing" in message and "revision main" in message
     assert "HF_HUB_OFFLINE=1 is set" in message and "`hf download other-org/missing`" in message
 
 
-def test_local_paths_are_returned_unchanged(tmp_path):
-    file = tmp_path / "model.safetensors"
-    file.write_bytes(b"")
-    for path in (str(file), str(tmp_path)):
-        assert resolve_checkpoint(path) == path
-    assert resolve_checkpoint(file) == str(file)
-
-
 def test_local_path_with_revision_is_refused(tmp_path):
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(zload.CheckpointError, match="revision='main' applies to Hub repo ids only"):
-        resolve_checkpoint(str(tmp_path), revision="main")
+        zload.load_into(torch.nn.Module(), tmp_path, revision="main")
 
 
 @pytest.mark.parametrize("path", ["a/b/c/d", "no--such", "./missing.safetensors"])
 def test_missing_path_that_is_no_repo_id(cache, path):
     with pytest.raises(zload.CheckpointError,
                        match="no such file or directory, and not a valid Hub repo id"):
-        resolve_checkpoint(path)
+        zload.load_into(torch.nn.Module(), path)
 
 
 def test_without_huggingface_hub(monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(zload.CheckpointError, match="install huggingface_hub"):
-        resolve_checkpoint(REPO)
+        resolve_checkpoint(REPO, None, local=False)
 
 
 def test_zload_imports_without_huggingface_hub():
@@ -180,7 +174,7 @@ def _resolve_recording(cache):
     huggingface_hub.snapshot_download = spy
     try:
         with hub_cache(cache):
-            local = resolve_checkpoint(REPO)
+            local = resolve_checkpoint(REPO, None, local=False)
     finally:
         huggingface_hub.snapshot_download = real
     return local, calls, sorted(zload.open_checkpoint(local).tensors)
@@ -191,7 +185,7 @@ def _resolve_error(cache_of_rank, repo):
 
     with hub_cache(Path(cache_of_rank[dist.get_rank()])):
         try:
-            resolve_checkpoint(repo)
+            resolve_checkpoint(repo, None, local=False)
         except zload.CheckpointError as e:
             return str(e)
     return None
@@ -218,3 +212,29 @@ def test_rank_with_another_cache_fails_on_every_rank(snapshot, cache, tmp_path):
     messages = run_world(2, _resolve_error, [cache, tmp_path / "elsewhere"], REPO)
     assert messages[0] is not None and messages[0] == messages[1]
     assert "[rank 1]" in messages[0] and "must share HF_HUB_CACHE" in messages[0]
+
+
+class Tiny(torch.nn.Module):
+    """The model STATE belongs to."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(3, 2, bias=False)
+        self.b = torch.nn.Module()
+        self.b.bias = torch.nn.Parameter(torch.zeros(4))
+
+
+def _load_repo(cache):
+    from .zero3 import build_zero, check_against
+
+    with hub_cache(cache):
+        model = build_zero(Tiny)
+        report = zload.load_into(model, REPO)
+    return check_against(model, STATE), report.source
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_load_into_a_repo_id(snapshot, cache, world):
+    """load_into finds no rank with a local path REPO, resolves it from the cache, and loads."""
+    for compared, source in run_world(world, _load_repo, cache):
+        assert compared == len(STATE) and Path(source) == snapshot

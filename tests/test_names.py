@@ -87,7 +87,7 @@ def _load_wrapped(path, key_map):
     model = build_zero(Wrapped)
     report = zload.load_into(model, path, strict=False, key_map=key_map)
     expected = {"model." + k.removeprefix("old_"): v for k, v in torch.load(path + ".pt").items()}
-    check_against(model, expected)
+    check_against(model, expected, names=list(expected))  # value_head is left out on purpose
     return sorted(report.loaded), report.missing, report.unexpected
 
 

@@ -141,7 +141,7 @@ def _adapter_body(saved, lora_partitioned, adapter):
     assert sorted(report.loaded) == base_names
     assert report.missing == [] and report.unexpected == []
     base_file = load_file(str(saved["base"] / "model.safetensors"))
-    check_against(model, {n: base_file[_file_name(n, adapter)] for n in base_names})
+    check_against(model, {n: base_file[_file_name(n, adapter)] for n in base_names}, names=base_names)
     _assert_own_view_unchanged(model, lora_before, "the base load")
 
     # 2. the adapter folder: lora_X.weight -> lora_X.<adapter>.weight, all required, base untouched
@@ -151,7 +151,7 @@ def _adapter_body(saved, lora_partitioned, adapter):
     assert report.missing == [] and report.unexpected == []
     adapter_file = load_file(str(saved["adapter"] / "adapter_model.safetensors"))
     assert len(adapter_file) == len(lora_names)
-    check_against(model, {n: adapter_file[_file_name(n, adapter)] for n in lora_names})
+    check_against(model, {n: adapter_file[_file_name(n, adapter)] for n in lora_names}, names=lora_names)
     _assert_own_view_unchanged(model, base_before, "the adapter load")
 
     # 3. end to end: the same logits as peft's own from_pretrained on a plain model

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .distributed import agree, exchange, rank_and_world
+from .distributed import agree, rank_and_world
 from .errors import CheckpointError
 
 logger = logging.getLogger("zload")
@@ -20,16 +20,15 @@ logger = logging.getLogger("zload")
 ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json"]
 
 
-def resolve_checkpoint(path: str | os.PathLike, revision: str | None = None) -> str:
-    """Return a local path for ``path``: itself if it exists, else the snapshot of that Hub repo id.
+def resolve_checkpoint(path: str | os.PathLike, revision: str | None, *, local: bool) -> str:
+    """Return a local path for ``path``: itself if it is ``local`` (some rank has it; the same
+    answer on every rank), else the snapshot of that Hub repo id.
 
-    Every rank must call it when torch.distributed is initialised (one small collective decides
-    whether any rank has ``path`` locally; two more when it downloads). Any failure is a ``CheckpointError`` naming the repo, the revision and what
-    to do next, raised on every rank.
+    Every rank must call it (two small collectives when it downloads). Any failure is a
+    ``CheckpointError`` naming the repo, the revision and what to do next, raised on every rank.
     """
     path = os.fspath(path)
-    # One rank that has the path makes it a local (maybe node-local) checkpoint for all ranks.
-    if any(exchange(os.path.exists(path))):
+    if local:
         if revision is not None:
             raise CheckpointError(f"{path}: revision={revision!r} applies to Hub repo ids only, and "
                                   f"this is a local path; drop revision= or pass the repo id")

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from .collector import collector_paused
+from .converted import load_converted
 from .distributed import agree, problems_of, rank_and_world
 from .errors import ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, execute
@@ -24,10 +25,16 @@ from .kernels import scatter_cast, zero_segment
 from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
 from .progress import progress_for
-from .sharing import fetch_remote, share_index
 from .report import LoadReport, shortened
-from .targets import ORPHAN, PARTITION, collect_targets, unwrap, zero_partition, zero_sibling
-from .converted import load_converted
+from .sharing import fetch_remote, share_index
+from .targets import (
+    ORPHAN,
+    PARTITION,
+    collect_targets,
+    unwrap,
+    zero_partition,
+    zero_sibling,
+)
 
 logger = logging.getLogger("zload")
 
@@ -123,9 +130,12 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     started = time.perf_counter()
     rank, world = rank_and_world()
     module, engine = unwrap(model)
-    source = resolve_checkpoint(path, revision)
+    path = os.fspath(path)
+    shared = share_index(path, f"zload: cannot load {path}; the model was not changed")
+    source = resolve_checkpoint(path, revision, local=shared is not None)
     refused = f"zload: cannot load {source}; the model was not changed"
-    shared = share_index(source, refused)
+    if shared is None:  # a Hub repo id, now downloaded
+        shared = share_index(source, refused)
 
     def plan_load() -> LoadPlan:
         targets = collect_targets(module, engine is not None)

@@ -249,7 +249,7 @@ def conversion_registry():
             conversion_mapping._checkpoint_conversion_mapping_cache = None
 
 
-def _transformers_model(module):
+def transformers_model(module):
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(module, transformers.PreTrainedModel):
         return None
@@ -344,8 +344,12 @@ def _converter_sources(module, converter, target_key, group) -> dict[str, Source
 def _transformers_renames(module, renamed: dict[str, str], model_names: set[str]):
     """Apply transformers' conversion mapping: plain renames, and converter groups by target."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
-                                                 rename_source_key)
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
 
     with conversion_registry():
         mapping = get_model_conversion_mapping(module)
@@ -388,7 +392,7 @@ def match(index: CheckpointIndex, targets: list[Target], module=None,
         used.update(source.names)
 
     plain = renamed
-    hf = _transformers_model(module)
+    hf = transformers_model(module)
     if hf is not None:
         model_names = set(lookup) | {n for n, _ in hf.named_buffers()}
         plain, groups = _transformers_renames(hf, renamed, model_names)

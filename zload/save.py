@@ -26,9 +26,9 @@ from .collector import collector_paused
 from .distributed import agree, comm_device, exchange, problems_of, rank_and_world
 from .errors import ZloadError, ZloadWarning
 from .index import DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry
-from .names import conversion_registry, match, peft_info, peft_role
+from .names import conversion_registry, match, peft_info, peft_role, transformers_model
 from .report import SaveReport
-from .targets import ORPHAN, PARTITION, Target, collect_targets, unwrap
+from .targets import ORPHAN, PARTITION, Target, collect_targets, dtype_name, unwrap
 
 ADAPTER_FILE = "adapter_model.safetensors"
 _CODES = {torch_name: code for code, (torch_name, _) in DTYPES.items()}
@@ -108,6 +108,11 @@ def _file(name: str, tensors: list[OutTensor]) -> OutFile:
     return OutFile(name, blob, tuple(placed))
 
 
+def _as_is(targets: list[Target], i: int, name: str) -> tuple:
+    """Target ``i`` saved whole under ``name``: (name, shape, pieces, built_from)."""
+    return name, targets[i].shape, ((i, 0, 0, prod(targets[i].shape)),), ()
+
+
 def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[int, list]:
     """For a transformers model: target index -> [(checkpoint name, shape, pieces, built_from)] in
     the form transformers writes (its conversion mapping reversed); else the model's own names.
@@ -115,12 +120,8 @@ def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[
     The reversed mapping is run on meta tensors to learn names and shapes; matching those names
     back (``names.match``) gives which elements of each model tensor each saved tensor holds.
     """
-    import sys
-
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(module, transformers.PreTrainedModel):
-        return {i: [(targets[i].name, targets[i].shape, ((i, 0, 0, prod(targets[i].shape)),), ())]
-                for i in wanted}
+    if transformers_model(module) is None:
+        return {i: [_as_is(targets, i, targets[i].name)] for i in wanted}
     from transformers.core_model_loading import revert_weight_conversion
 
     meta = {targets[i].name: torch.empty(targets[i].shape, dtype=getattr(torch, targets[i].dtype),
@@ -129,7 +130,7 @@ def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[
         reverted = revert_weight_conversion(module, meta)
     fake = {}
     for k, (name, t) in enumerate(reverted.items()):
-        fake[name] = TensorEntry(name, "", _CODES[str(t.dtype).removeprefix("torch.")], tuple(t.shape),
+        fake[name] = TensorEntry(name, "", _CODES[dtype_name(t.dtype)], tuple(t.shape),
                                  k, t.numel() * t.element_size())
     matching = match(CheckpointIndex("", ("",), fake), targets, module)
     lost = [targets[i].name for i in wanted if i not in matching.sources]
@@ -158,8 +159,7 @@ def _out_tensors(module, targets: list[Target], dtype: torch.dtype | None) -> tu
             if role == "adapter":
                 chosen.append((i, aliases[0]))
         wanted = [i for i, _ in chosen]
-        names = {i: [(name, targets[i].shape, ((i, 0, 0, prod(targets[i].shape)),), ())]
-                 for i, name in chosen}
+        names = {i: [_as_is(targets, i, name)] for i, name in chosen}
         single = ADAPTER_FILE
     else:
         wanted = [i for i, t in enumerate(targets) if t.required]
@@ -168,7 +168,7 @@ def _out_tensors(module, targets: list[Target], dtype: torch.dtype | None) -> tu
     merged: dict[str, OutTensor] = {}
     for i in wanted:
         floating = getattr(torch, targets[i].dtype).is_floating_point  # ints and bools keep theirs
-        out_dtype = str(dtype).removeprefix("torch.") if dtype is not None and floating else targets[i].dtype
+        out_dtype = dtype_name(dtype) if dtype is not None and floating else targets[i].dtype
         for name, shape, pieces, built_from in names.get(i, []):
             if name in merged:  # several model tensors feed one saved tensor
                 prior = merged[name]

@@ -74,22 +74,23 @@ def _local_view(source: str):
     return local, digests, sorted(os.path.basename(f) for f in local.files), []
 
 
-def share_index(source: str, what: str) -> SharedIndex:
-    """Index ``source`` on every rank, filling in the files this rank does not have from others.
+def share_index(source: str, what: str) -> SharedIndex | None:
+    """Index ``source`` on every rank, filling in the files this rank does not have from others;
+    None when no rank has ``source`` (then it may be a Hub repo id).
 
     Every rank must call it; any rank's problem raises the same error (headed ``what``) on all.
     """
     rank, world = rank_and_world()
     if world == 1:
-        return SharedIndex(open_checkpoint(source), _root(source))
+        return SharedIndex(open_checkpoint(source), _root(source)) if os.path.exists(source) else None
     local, digests, known, problems = _local_view(source)
-    views = exchange((problems, digests, known))
+    views = exchange((problems, digests, known, local is not None))
     raise_for([v[0] for v in views], what)
+    if not any(v[3] for v in views):
+        return None
 
     keys = sorted(set().union(*(set(v[2]) for v in views)))
     readers = {k: [r for r, v in enumerate(views) if k in v[1]] for k in keys}
-    if not keys:
-        raise CheckpointError(f"{source}: no such file or directory on any rank")
     for key in keys:
         if not readers[key]:
             raise CheckpointError(f"{source}: '{key}' is part of the checkpoint but no rank can "

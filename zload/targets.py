@@ -70,7 +70,7 @@ def unwrap(model):
     raise TypeError(f"zload.load_into expects an nn.Module or a DeepSpeedEngine, got {type(model).__name__}")
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -103,7 +103,7 @@ def _zero_target(names, param, live_engine: bool) -> Target:
     if problem is None and param.ds_tensor.ds_numel != part.size:
         problem = (f"has a {param.ds_tensor.ds_numel}-element partition where ceil({part.numel}/"
                    f"{part.world}) = {part.size} was expected; unsupported partitioning")
-    return Target(tuple(names), PARTITION, tuple(param.ds_shape), _dtype_name(param.ds_tensor.dtype),
+    return Target(tuple(names), PARTITION, tuple(param.ds_shape), dtype_name(param.ds_tensor.dtype),
                   True, part, problem, param)
 
 
@@ -125,7 +125,7 @@ def collect_targets(module, live_engine: bool = False) -> list[Target]:
         if hasattr(p, "ds_id"):
             targets.append(_zero_target(names, p, live_engine))
         elif under_zero3 and p.numel() == 0:
-            dtype = _dtype_name(zero_sibling(module, names[0]).ds_tensor.dtype)
+            dtype = dtype_name(zero_sibling(module, names[0]).ds_tensor.dtype)
             targets.append(Target(tuple(names), ORPHAN, (), dtype, True, tensor=p))
         else:
             targets.append(_full_target(names, p, required=True))
@@ -152,7 +152,7 @@ def _full_target(names, tensor, required: bool) -> Target:
         problem = "is on the meta device; materialise the model (to_empty) before loading"
     elif not tensor.is_contiguous():
         problem = "is not contiguous"
-    return Target(tuple(names), FULL, tuple(tensor.shape), _dtype_name(tensor.dtype), required,
+    return Target(tuple(names), FULL, tuple(tensor.shape), dtype_name(tensor.dtype), required,
                   problem=problem, tensor=tensor)
 
 
