@@ -274,6 +274,50 @@ def test_a_failed_read_stops_the_other_reader_threads(tmp_path, monkeypatch):
         execute([item_for(entry, 0, 0, 1000, 0)], [torch.zeros(1000)], threads=2)
     assert len(calls) <= 3
 
+def test_reader_count_is_this_ranks_share_of_the_cpus(monkeypatch):
+    """Page-cache reads are memory copies: no more reader threads than a rank's share of the CPUs."""
+    from zload.execute import reader_count
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert reader_count() == 4 and reader_count(8) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert reader_count() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert reader_count() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert reader_count() == 1
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_calling_thread_reads_instead_of_waiting(tmp_path, monkeypatch, threads):
+    """The calling thread takes runs too; with one reader it reads everything and starts no pool."""
+    import threading
+    import time
+
+    path = tmp_path / "x.safetensors"
+    data = torch.randn(1000)
+    save_file({"x": data}, str(path))
+    entry = open_checkpoint(path).tensors["x"]
+    monkeypatch.setattr(execute_module, "_RUN_BYTES", 128)  # 4000 bytes: 32 runs
+    readers, real_read = [], execute_module._read_run
+
+    def recorded(run):
+        readers.append(threading.current_thread())
+        time.sleep(0.002)
+        return real_read(run)
+
+    monkeypatch.setattr(execute_module, "_read_run", recorded)
+    before = threading.active_count()
+    out = torch.zeros(1000)
+    assert execute([item_for(entry, 0, 0, 1000, 0)], [out], threads=threads) == 4000
+    assert torch.equal(out, data) and len(readers) == 32
+    assert threading.main_thread() in readers
+    assert (len(set(readers)) == 1) if threads == 1 else (1 < len(set(readers)) <= threads)
+    assert threading.active_count() == before  # the helpers are gone
+
+
 def test_scatter_cast_segments():
     """scatter_cast copies each staged segment to its destination slice, cast like ``.to()``,
     and leaves everything else alone."""

@@ -81,23 +81,50 @@ def _structure(obj, seen=None):
                                  if not callable(v) or isinstance(v, (re.Pattern, _LazyPattern))})
 
 
-def test_lazily_compiled_registry_equals_transformers_own():
-    # zload builds transformers' conversion registry with each regex compiled on first use; every
-    # model type's transforms must come out as transformers builds them.
+def test_deferred_registry_hands_out_transformers_own_transforms():
+    # zload builds transformers' conversion registry with every transform deferred; what
+    # transformers hands out (deep copies) must be, for every model type, what it builds itself.
+    import copy
     import re
 
     from transformers import conversion_mapping, core_model_loading
 
-    from zload.names import _build_lazy_registry, _LazyPattern
+    from zload.names import _build_deferred_registry, _DeferredTransform, _LazyPattern
 
-    lazy = _build_lazy_registry(conversion_mapping, core_model_loading)
+    deferred = _build_deferred_registry(conversion_mapping, core_model_loading)
+    assert conversion_mapping.WeightRenaming is core_model_loading.WeightRenaming  # restored
     assert core_model_loading.re is re
     real = conversion_mapping._build_checkpoint_conversion_mapping()
-    assert sorted(lazy) == sorted(real) and len(real) > 100
-    patterns = [t.compiled_sources for ts in lazy.values() for t in ts if hasattr(t, "compiled_sources")]
-    assert patterns and all(isinstance(p, _LazyPattern) and p._compiled is None for p in patterns)
+    assert sorted(deferred) == sorted(real) and len(real) > 100
+    held = [t for ts in deferred.values() for t in ts]
+    assert held and all(isinstance(t, _DeferredTransform) for t in held)
+    assert sum(t._built is None for t in held) > 0.9 * len(held)  # nearly all never constructed
+    built_in_build = [t._built.compiled_sources for t in held if t._built is not None]
+    assert built_in_build and all(isinstance(p, _LazyPattern) and p._compiled is None
+                                  for p in built_in_build)
     for key in real:
-        assert _structure(lazy[key]) == _structure(real[key]), key
+        handed_out = copy.deepcopy(deferred[key])
+        assert all(isinstance(t, core_model_loading.WeightTransform) for t in handed_out), key
+        assert _structure(handed_out) == _structure(real[key]), key
+
+
+def test_deferred_transform_is_built_once_and_copied_apart():
+    import copy
+
+    from transformers.core_model_loading import MergeModulelist, WeightConverter
+
+    from zload.names import _DeferredTransform
+
+    deferred = _DeferredTransform(WeightConverter, r"experts.*.w2.weight", "experts.down_proj",
+                                  operations=[MergeModulelist(dim=0)])
+    assert deferred._built is None
+    assert deferred.target_patterns == ["experts.down_proj"]  # attributes come from the transform
+    built = deferred._built
+    first, second = copy.deepcopy(deferred), copy.deepcopy(deferred)
+    assert deferred._built is built and type(first) is WeightConverter
+    assert first is not built and first.operations[0] is not second.operations[0]
+    assert first.rename_source_key("model.layers.0.experts.3.w2.weight")[0] == \
+        "model.layers.0.experts.down_proj"
 
 
 def test_lazy_pattern_behaves_as_a_pattern():

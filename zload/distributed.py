@@ -2,7 +2,8 @@
 
 Every rank plans on its own. ``agree`` is the one small collective of a load: it shares each
 rank's problems, so a problem seen by any rank raises the same error on every rank instead of
-leaving the others blocked in a later collective.
+leaving the others blocked in a later collective. When no rank has a problem, as in nearly every
+load, it costs one all-reduce of one number.
 """
 
 from __future__ import annotations
@@ -42,9 +43,26 @@ def exchange(obj) -> list:
     return gathered
 
 
+def reduce_max(values: list[int]) -> list[int]:
+    """The element-wise maximum over ranks of ``values`` (signed 64-bit integers)."""
+    _, world = rank_and_world()
+    if world == 1:
+        return list(values)
+    import torch
+
+    tensor = torch.tensor(values, dtype=torch.int64, device=comm_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def agree(problems: list[tuple[str, str]], what: str) -> None:
-    """Raise on every rank if any rank has problems; ``problems`` holds (error class, message)."""
-    raise_for(exchange(problems), what)
+    """Raise on every rank if any rank has problems; ``problems`` holds (error class, message).
+
+    Ranks first agree on whether anyone has a problem (one number); only then are the problems
+    themselves exchanged, which costs several times more.
+    """
+    if reduce_max([len(problems)])[0]:
+        raise_for(exchange(problems), what)
 
 
 def raise_for(gathered: list[list[tuple[str, str]]], what: str) -> None:

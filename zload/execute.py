@@ -1,8 +1,10 @@
 """Executor: perform a plan's reads and copies. The only stage that touches files and tensors.
 
 Reads are issued in file order; runs of file-contiguous ranges become one ``os.preadv`` that
-scatters the bytes to several buffers at once. A small thread pool reads the runs (``preadv``
-releases the GIL), each thread taking the next run when it is free. A range whose destination is
+scatters the bytes to several buffers at once. A few reader threads take the runs one at a time
+(``preadv`` releases the GIL); the calling thread is one of them whenever it would otherwise wait,
+and there are no more of them than this rank's share of the CPUs, since reads from the page cache
+are memory copies that more threads than cores only slow down. A range whose destination is
 a CPU tensor of the same dtype is read straight into the destination; the others land in one of
 two staging buffers and are copied (and cast) by ``kernels.scatter_cast``: while one buffer is
 being copied out, the next batch is read into the other. For GPU destinations the staging buffers
@@ -25,10 +27,21 @@ from .plan import ReadItem, split_item
 from .progress import Progress
 
 DEFAULT_STAGING_BYTES = 64 << 20  # both staging buffers together
-DEFAULT_READ_THREADS = 4
+DEFAULT_READ_THREADS = 4  # readers per rank (the calling thread included), at most
 _ALIGN = 64  # staging placement; keeps every dtype view aligned
 _IOV_MAX = 1024  # buffers per preadv call (Linux IOV_MAX)
 _RUN_BYTES = 16 << 20  # longer runs are split so that the thread pool can share them
+
+
+def reader_count(limit: int = DEFAULT_READ_THREADS) -> int:
+    """Reader threads for this rank: ``limit``, but at most its share of the usable CPUs among the
+    ranks of this node (``LOCAL_WORLD_SIZE``, set by torchrun and the DeepSpeed launcher)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    return max(1, min(limit, cpus // local_ranks))
 
 
 def align(position: int) -> int:
@@ -120,7 +133,7 @@ class _Staging:
 
 class _Reader:
     def __init__(self, destinations: list, staging_bytes: int, staged_total: int,
-                 progress: Progress | None = None, threads: int = DEFAULT_READ_THREADS,
+                 progress: Progress | None = None, threads: int | None = None,
                  device: torch.device = torch.device("cpu")):
         self.destinations = destinations
         self.progress = progress or Progress()
@@ -131,11 +144,12 @@ class _Reader:
         self.position = 0
         self.segments: list[Segment] = []
         self.runs: list[_Run] = []
-        self.pending = None  # the batch read in the background: (futures, staging, segments)
+        self.pending = None  # the batch being read: (queue, helpers' futures, staging, segments)
         self.fds: dict[str, int] = {}
         self.bytes_read = 0
-        self.threads = max(1, threads)
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zload-read")
+        self.helpers = (reader_count() if threads is None else max(1, threads)) - 1
+        self.pool = ThreadPoolExecutor(self.helpers, thread_name_prefix="zload-read") \
+            if self.helpers else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _fd(self, file: str) -> int:
@@ -186,9 +200,9 @@ class _Reader:
     def flush(self) -> None:
         """Start reading the batch queued so far; copy out the batch read before it."""
         queue = _RunQueue(self.runs, self.progress)
-        workers = min(self.threads, len(self.runs))
-        futures = [self.pool.submit(queue.read_until_empty) for _ in range(workers)]
-        batch = (futures, self._staging() if self.segments else None, self.segments)
+        helpers = min(self.helpers, len(self.runs))
+        futures = [self.pool.submit(queue.read_until_empty) for _ in range(helpers)]
+        batch = (queue, futures, self._staging() if self.segments else None, self.segments)
         self.runs, self.segments, self.position = [], [], 0
         self._finish(self.pending)
         self.pending = batch
@@ -204,7 +218,8 @@ class _Reader:
     def _finish(self, batch) -> None:
         if batch is None:
             return
-        futures, staging, segments = batch
+        queue, futures, staging, segments = batch
+        self.bytes_read += queue.read_until_empty()  # this thread helps rather than waits
         for future in futures:
             self.bytes_read += future.result()
         if not segments:
@@ -228,17 +243,19 @@ class _Reader:
         staging.consumed.record(main)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
         for fd in self.fds.values():
             os.close(fd)
 
 
 def execute(items: list[ReadItem], destinations: list[torch.Tensor],
             staging_bytes: int = DEFAULT_STAGING_BYTES, progress: Progress | None = None,
-            threads: int = DEFAULT_READ_THREADS) -> int:
+            threads: int | None = None) -> int:
     """Read every item into its flat destination; returns the number of bytes read.
 
     Items are grouped by the device of their destination, each group with its own staging.
+    ``threads``: reader threads, the calling one included (default: ``reader_count()``).
     """
     by_device: dict[torch.device, list[ReadItem]] = {}
     for item in items:

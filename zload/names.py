@@ -14,6 +14,7 @@ The functions here read names and shapes only; nothing touches tensor data or pr
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import re
 import sys
@@ -154,6 +155,8 @@ def align_prefix(unmatched: list[str], known: Mapping[str, int]) -> dict[str, st
     (``bert.embeddings.x``) and the other way round. Applied only when one single prefix explains
     every unmatched name that any prefix explains, so a guess never silently picks between two.
     """
+    if not unmatched:
+        return {}
     model_suffixes: dict[str, set[str]] = {}
     for name in known:
         parts = name.split(".")
@@ -200,52 +203,88 @@ class _LazyPattern:
         return re.compile, self._args
 
 
+class _DeferredTransform:
+    """A transformers ``WeightTransform`` constructed when first used.
+
+    transformers hands out its registry only as deep copies (``get_checkpoint_conversion_mapping``),
+    and a deep copy of this is the real transform, so a load constructs only its own model's few.
+    """
+
+    __slots__ = ("_cls", "_args", "_kwargs", "_built")
+
+    def __init__(self, cls, *args, **kwargs):
+        self._cls, self._args, self._kwargs, self._built = cls, args, kwargs, None
+
+    def _transform(self):
+        if self._built is None:
+            self._built = self._cls(*self._args, **self._kwargs)
+        return self._built
+
+    def __getattr__(self, name):
+        return getattr(self._transform(), name)
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(self._transform(), memo)
+
+
 _UNAVAILABLE = object()
-_lazy_registry = None  # built on first use; _UNAVAILABLE where this transformers does not fit
+_deferred_registry = None  # built on first use; _UNAVAILABLE where this transformers does not fit
 
 
-def _build_lazy_registry(conversion_mapping, core_model_loading):
-    """transformers' conversion registry, built with every transform's regex compiled on first use."""
+def _build_deferred_registry(conversion_mapping, core_model_loading):
+    """transformers' conversion registry, every transform in it deferred (``_DeferredTransform``).
+
+    The few transforms the build itself looks into are constructed then, with their regexes
+    compiled on first use (``_LazyPattern``).
+    """
+    classes = {name: value for name, value in vars(conversion_mapping).items()
+               if isinstance(value, type) and issubclass(value, core_model_loading.WeightTransform)}
     lazy_re = types.SimpleNamespace(**vars(re))
     lazy_re.compile = _LazyPattern
-    core_model_loading.re = lazy_re  # only WeightTransform.__init__ compiles through this name
+    for name, cls in classes.items():
+        setattr(conversion_mapping, name, functools.partial(_DeferredTransform, cls))
+    core_model_loading.re = lazy_re  # WeightTransform.__init__ compiles through this name
     try:
         return conversion_mapping._build_checkpoint_conversion_mapping()
     finally:
         core_model_loading.re = re
+        for name, cls in classes.items():
+            setattr(conversion_mapping, name, cls)
 
 
 @contextmanager
 def conversion_registry():
-    """Lend transformers a conversion registry whose regexes compile on first use, if it has none.
+    """Lend transformers a conversion registry of deferred transforms, if it has none.
 
-    On first use transformers builds its registry for every model type it knows, about 900 regexes
-    (45 ms; several times that when a collection of a large heap lands in it). A load needs only the
-    few transforms of one model. transformers' own registry state is restored after the block, and
-    versions lacking these internals use the plain path.
+    On first use transformers builds its registry for every model type it knows: about 1,100
+    transforms and their regexes (45 ms; several times that when a collection of a large heap lands
+    in it). A load needs only the few transforms of one model; deferred, the registry takes about
+    1 ms. transformers' own registry state is restored after the block, and versions lacking these
+    internals use the plain path.
     """
-    global _lazy_registry
+    global _deferred_registry
     from transformers import conversion_mapping, core_model_loading
 
     if (getattr(conversion_mapping, "_checkpoint_conversion_mapping_cache", False) is not None
             or not hasattr(conversion_mapping, "_build_checkpoint_conversion_mapping")
+            or not hasattr(core_model_loading, "WeightTransform")
             or getattr(core_model_loading, "re", None) is not re):
         yield
         return
-    if _lazy_registry is None:
+    if _deferred_registry is None:
         try:
-            _lazy_registry = _build_lazy_registry(conversion_mapping, core_model_loading)
+            _deferred_registry = _build_deferred_registry(conversion_mapping, core_model_loading)
         except Exception as e:  # a transformers version this does not fit: use its own path
-            logger.debug("zload: lazy conversion registry unavailable (%r); using transformers' own", e)
-            _lazy_registry = _UNAVAILABLE
-    if _lazy_registry is _UNAVAILABLE:
+            logger.debug("zload: deferred conversion registry unavailable (%r); using transformers' own", e)
+            _deferred_registry = _UNAVAILABLE
+    if _deferred_registry is _UNAVAILABLE:
         yield
         return
-    conversion_mapping._checkpoint_conversion_mapping_cache = _lazy_registry
+    conversion_mapping._checkpoint_conversion_mapping_cache = _deferred_registry
     try:
         yield
     finally:
-        if conversion_mapping._checkpoint_conversion_mapping_cache is _lazy_registry:
+        if conversion_mapping._checkpoint_conversion_mapping_cache is _deferred_registry:
             conversion_mapping._checkpoint_conversion_mapping_cache = None
 
 

@@ -1,7 +1,7 @@
 """Node-local checkpoints: ranks that cannot see a file get their bytes from ranks that can.
 
-When every rank sees every file (a shared filesystem), this costs one small exchange of file
-names and nothing else. Otherwise the ranks share the headers of the files some rank lacks, plan
+When every rank sees every file (a shared filesystem), this costs one all-reduce of a
+fingerprint of the headers and nothing else. Otherwise the ranks share the headers of the files some rank lacks, plan
 as usual, and then each rank that lacks a file asks one of its readers for exactly the byte ranges
 it would have read itself; readers send them point to point in bounded batches.
 """
@@ -16,7 +16,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .distributed import comm_device, exchange, problems_of, raise_for, rank_and_world
+from .distributed import comm_device, exchange, problems_of, raise_for, rank_and_world, reduce_max
 from .errors import CheckpointError, ZloadError
 from .execute import _ALIGN, DEFAULT_STAGING_BYTES, _byte_view, align, read_ranges
 from .index import CheckpointIndex, TensorEntry, open_checkpoint
@@ -84,6 +84,12 @@ def share_index(source: str, what: str) -> SharedIndex | None:
     if world == 1:
         return SharedIndex(open_checkpoint(source), _root(source)) if os.path.exists(source) else None
     local, digests, known, problems = _local_view(source)
+    view = repr((sorted(digests.items()), known, local is not None)).encode()
+    fingerprint = int.from_bytes(hashlib.sha1(view).digest()[:8], "little") >> 2  # fits in int64
+    incomplete = bool(problems) or (local is not None and bool(local.absent))
+    high, negated_low, flagged = reduce_max([fingerprint, -fingerprint, int(incomplete)])
+    if high == -negated_low and not flagged:  # every rank sees the same whole checkpoint, or none
+        return SharedIndex(local, _root(source)) if local is not None else None
     views = exchange((problems, digests, known, local is not None))
     raise_for([v[0] for v in views], what)
     if not any(v[3] for v in views):
