@@ -137,6 +137,38 @@ def test_node_copies_that_differ_are_refused(tmp_path):
     assert kind == "CheckpointError" and "differ" in message, message
 
 
+def _load_with_a_key_map_failing_on(failing_rank, how, path):
+    """A load whose planning fails on one rank only: every rank must raise, the model untouched."""
+    model = build_zero(models.Awkward)
+    before = snapshot(model)
+
+    def key_map(name):
+        if dist.get_rank() != failing_rank:
+            return name
+        if how == "raises":
+            raise ValueError(f"no name for {name}")
+        return None if name == "odd.bias" else name  # drops a tensor the model needs
+
+    try:
+        zload.load_into(model, path, key_map=key_map)
+    except zload.ZloadError as e:
+        assert_unchanged(model, before)
+        return type(e).__name__, str(e)
+    raise AssertionError("load_into went ahead although one rank could not plan")
+
+
+@pytest.mark.parametrize("how", ["raises", "drops"])
+def test_a_planning_problem_on_one_rank_stops_every_rank(tmp_path, how):
+    state = models.state_with_seed(models.Awkward, seed=12)
+    folder = save_sharded(state, tmp_path / "ckpt", shards=2)
+    results = run_world(3, _load_with_a_key_map_failing_on, 1, how, folder, timeout=120)
+    assert len(set(results)) == 1, f"ranks disagree: {results}"
+    kind, message = results[0]
+    expected = ["no name for cube"] if how == "raises" else ["not in the checkpoint", "odd.bias"]
+    assert "[rank 1]" in message and all(e in message for e in expected), message
+    assert kind == ("ZloadError" if how == "raises" else "PlanError")
+
+
 def _load_non_strict(path):
     model = build_zero(models.Awkward)
     report, messages = recorded_warnings(lambda: zload.load_into(model, path, strict=False))

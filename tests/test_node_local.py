@@ -45,6 +45,29 @@ def _checkpoint(tmp_path, seed):
     return state, folder, reference
 
 
+def test_a_view_fingerprints_the_files_and_headers_it_sees(tmp_path):
+    """Equal fingerprints are how ranks skip exchanging their views: equal for the same checkpoint
+    anywhere on disk, different for a missing shard or a different header."""
+    from zload.sharing import local_view
+
+    state, folder, _ = _checkpoint(tmp_path, seed=30)
+    copy = Path(shutil.copytree(folder, tmp_path / "node1" / "ckpt"))
+    whole = local_view(str(folder))
+    assert whole.whole and 0 <= whole.fingerprint < 2**62
+    assert local_view(str(copy)).fingerprint == whole.fingerprint
+    assert whole.shared().index is whole.index and not whole.shared().sharing
+
+    other = save_sharded(dict(state, cube=state["cube"].half()), tmp_path / "node2" / "ckpt", shards=2)
+    assert local_view(str(other)).whole and local_view(str(other)).fingerprint != whole.fingerprint
+
+    sorted(copy.glob("*.safetensors"))[0].unlink()
+    partial = local_view(str(copy))
+    assert not partial.whole and partial.index.absent and partial.fingerprint != whole.fingerprint
+
+    nowhere, elsewhere = local_view(str(tmp_path / "nowhere")), local_view(str(tmp_path / "elsewhere"))
+    assert nowhere.index is None and not nowhere.whole and nowhere.fingerprint == elsewhere.fingerprint
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_node_without_the_files(tmp_path, world):
     """Only node 0 (rank 0) has the checkpoint; the others get exactly their bytes from it."""

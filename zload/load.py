@@ -16,17 +16,25 @@ import torch
 
 from .collector import collector_paused
 from .converted import load_converted
-from .distributed import agree, problems_of, rank_and_world
+from .distributed import (
+    agree,
+    exchange,
+    problems_of,
+    raise_for,
+    rank_and_world,
+    reduce_max,
+)
 from .errors import ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .hub import resolve_checkpoint
+from .index import CheckpointIndex
 from .init import is_unloaded, mark_loaded
 from .kernels import scatter_cast, zero_segment
 from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
 from .progress import progress_for
 from .report import LoadReport, shortened
-from .sharing import fetch_remote, share_index
+from .sharing import SharedIndex, fetch_remote, local_view, share_index
 from .targets import (
     ORPHAN,
     PARTITION,
@@ -108,6 +116,42 @@ def _zero_padding(param) -> None:
     param.ds_tensor.data.view(-1)[zero_partition(param).valid:].zero_()
 
 
+def _planned(plan_load, index: CheckpointIndex) -> tuple[LoadPlan | None, list[tuple[str, str]]]:
+    plan, problems = problems_of("planning", lambda: plan_load(index))
+    return plan, (problems if plan is None else [("PlanError", p) for p in plan.problems])
+
+
+def _refused(source: str) -> str:
+    return f"zload: cannot load {source}; the model was not changed"
+
+
+def _index_and_plan(path: str, revision: str | None, plan_load) -> tuple[str, SharedIndex, LoadPlan]:
+    """Index the checkpoint and plan the load on every rank; raise on all if any rank cannot.
+
+    Usually every rank sees the same whole checkpoint: each plans against its own view, and one
+    all-reduce settles both that the views are the same and that no plan has a problem. Otherwise
+    (node-local shards, a Hub repo id, a bad header) the ranks exchange their views, and then plan
+    and agree on the plans.
+    """
+    view = local_view(path)
+    plan, problems = _planned(plan_load, view.index) if view.whole else (None, [])
+    fingerprint = view.fingerprint
+    high, negated_low, partial, troubled = reduce_max(
+        [fingerprint, -fingerprint, int(not view.whole), len(problems)])
+    if high == -negated_low and not partial:  # the same whole checkpoint everywhere
+        source = resolve_checkpoint(path, revision, local=True)
+        if troubled:
+            raise_for(exchange(problems), _refused(source))
+        return source, view.shared(), plan
+    shared = share_index(view, _refused(path))
+    source = resolve_checkpoint(path, revision, local=shared is not None)
+    if shared is None:  # a Hub repo id, now downloaded
+        shared = share_index(local_view(source), _refused(source))
+    plan, problems = _planned(plan_load, shared.index)
+    agree(problems, _refused(source))
+    return source, shared, plan
+
+
 @collector_paused()
 def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: KeyMap | None = None,
               revision: str | None = None, progress: bool | None = None,
@@ -131,26 +175,18 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     rank, world = rank_and_world()
     module, engine = unwrap(model)
     path = os.fspath(path)
-    shared = share_index(path, f"zload: cannot load {path}; the model was not changed")
-    source = resolve_checkpoint(path, revision, local=shared is not None)
-    refused = f"zload: cannot load {source}; the model was not changed"
-    if shared is None:  # a Hub repo id, now downloaded
-        shared = share_index(source, refused)
 
-    def plan_load() -> LoadPlan:
+    def plan_load(index: CheckpointIndex) -> LoadPlan:
         targets = collect_targets(module, engine is not None)
-        matching = match(shared.index, targets, module, key_map)
-        plan = make_plan(shared.index, targets, strict=strict, matching=matching)
+        matching = match(index, targets, module, key_map)
+        plan = make_plan(index, targets, strict=strict, matching=matching)
         left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
         if strict and left:
             plan.problems.append(f"{len(left)} parameters built by zload.init (uninitialised memory) "
                                  f"would stay unwritten (strict=True): {shortened(left, 20)}")
         return plan
 
-    plan, problems = problems_of("planning", plan_load)
-    if plan is not None:
-        problems = [("PlanError", p) for p in plan.problems]
-    agree(problems, refused)
+    source, shared, plan = _index_and_plan(path, revision, plan_load)
     local = [i for i in plan.items if i.file not in shared.remote_files]
     remote = [i for i in plan.items if i.file in shared.remote_files]
 

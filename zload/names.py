@@ -210,7 +210,7 @@ class _DeferredTransform:
     and a deep copy of this is the real transform, so a load constructs only its own model's few.
     """
 
-    __slots__ = ("_cls", "_args", "_kwargs", "_built")
+    __slots__ = ("_args", "_built", "_cls", "_kwargs")
 
     def __init__(self, cls, *args, **kwargs):
         self._cls, self._args, self._kwargs, self._built = cls, args, kwargs, None

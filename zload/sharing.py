@@ -16,7 +16,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .distributed import comm_device, exchange, problems_of, raise_for, rank_and_world, reduce_max
+from .distributed import (
+    comm_device,
+    exchange,
+    problems_of,
+    raise_for,
+    rank_and_world,
+)
 from .errors import CheckpointError, ZloadError
 from .execute import _ALIGN, DEFAULT_STAGING_BYTES, _byte_view, align, read_ranges
 from .index import CheckpointIndex, TensorEntry, open_checkpoint
@@ -58,39 +64,63 @@ def _root(source: str) -> str:
     return absolute if os.path.isdir(absolute) or not os.path.splitext(absolute)[1] else os.path.dirname(absolute)
 
 
-def _local_view(source: str):
-    """(index or None, {file key: digest}, file keys the index lists, problems) on this rank."""
+@dataclass
+class LocalView:
+    """What this rank sees of a checkpoint, before any communication."""
+
+    source: str
+    index: CheckpointIndex | None  # None: no such path on this rank
+    digests: dict[str, str] = field(default_factory=dict)  # file key -> digest of its header entries
+    known: list[str] = field(default_factory=list)  # the file keys the index lists
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def whole(self) -> bool:
+        """This rank can read every file of the checkpoint."""
+        return self.index is not None and not self.index.absent and not self.problems
+
+    @property
+    def fingerprint(self) -> int:
+        """Equal on two ranks (but for a 2**-62 chance) exactly when they see the same files with
+        the same headers; non-negative and below 2**62, so that it and its negation fit in int64."""
+        view = repr((sorted(self.digests.items()), self.known, self.index is not None)).encode()
+        return int.from_bytes(hashlib.sha1(view).digest()[:8], "little") >> 2
+
+    def shared(self) -> SharedIndex:
+        """This view as the whole checkpoint, for when every rank has seen the same whole one."""
+        return SharedIndex(self.index, _root(self.source))
+
+
+def local_view(source: str) -> LocalView:
+    """Index ``source`` as this rank sees it; shards it lacks and bad headers are noted, not raised."""
     try:
         local = open_checkpoint(source, missing_ok=True) if os.path.exists(source) else None
     except ZloadError as e:
-        return None, {}, [], [(type(e).__name__, str(e))]
+        return LocalView(source, None, problems=[(type(e).__name__, str(e))])
     if local is None:
-        return None, {}, [], []
+        return LocalView(source, None)
     by_file: dict[str, list[TensorEntry]] = {os.path.basename(f): [] for f in local.files
                                              if f not in local.absent}
     for entry in local.tensors.values():
         by_file[os.path.basename(entry.file)].append(entry)
     digests = {k: _digest(v) for k, v in by_file.items()}
-    return local, digests, sorted(os.path.basename(f) for f in local.files), []
+    return LocalView(source, local, digests, sorted(os.path.basename(f) for f in local.files))
 
 
-def share_index(source: str, what: str) -> SharedIndex | None:
-    """Index ``source`` on every rank, filling in the files this rank does not have from others;
-    None when no rank has ``source`` (then it may be a Hub repo id).
+def share_index(view: LocalView, what: str) -> SharedIndex | None:
+    """Every rank's ``view`` made into the whole checkpoint on each rank, the files this rank lacks
+    filled in from others; None when no rank has the path (then it may be a Hub repo id).
 
     Every rank must call it; any rank's problem raises the same error (headed ``what``) on all.
+    When every rank has the same whole checkpoint, ``view.shared()`` is the answer without this
+    exchange (see ``load_into``).
     """
     rank, world = rank_and_world()
+    source = view.source
     if world == 1:
         return SharedIndex(open_checkpoint(source), _root(source)) if os.path.exists(source) else None
-    local, digests, known, problems = _local_view(source)
-    view = repr((sorted(digests.items()), known, local is not None)).encode()
-    fingerprint = int.from_bytes(hashlib.sha1(view).digest()[:8], "little") >> 2  # fits in int64
-    incomplete = bool(problems) or (local is not None and bool(local.absent))
-    high, negated_low, flagged = reduce_max([fingerprint, -fingerprint, int(incomplete)])
-    if high == -negated_low and not flagged:  # every rank sees the same whole checkpoint, or none
-        return SharedIndex(local, _root(source)) if local is not None else None
-    views = exchange((problems, digests, known, local is not None))
+    local = view.index
+    views = exchange((view.problems, view.digests, view.known, local is not None))
     raise_for([v[0] for v in views], what)
     if not any(v[3] for v in views):
         return None
