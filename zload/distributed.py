@@ -1,9 +1,9 @@
 """The thin distributed layer: who we are, and agreeing on problems before acting.
 
-Every rank plans on its own. ``agree`` is the one small collective of a load: it shares each
-rank's problems, so a problem seen by any rank raises the same error on every rank instead of
-leaving the others blocked in a later collective. When no rank has a problem, as in nearly every
-load, it costs one all-reduce of one number.
+Every rank plans on its own; then the ranks agree, so that a problem seen by any rank raises the
+same error on every rank instead of leaving the others blocked in a later collective. Agreeing
+costs one all-reduce of a few numbers (``reduce_max``) when no rank has a problem, as in nearly
+every load; only then are the problems themselves exchanged.
 """
 
 from __future__ import annotations
@@ -56,11 +56,7 @@ def reduce_max(values: list[int]) -> list[int]:
 
 
 def agree(problems: list[tuple[str, str]], what: str) -> None:
-    """Raise on every rank if any rank has problems; ``problems`` holds (error class, message).
-
-    Ranks first agree on whether anyone has a problem (one number); only then are the problems
-    themselves exchanged, which costs several times more.
-    """
+    """Raise on every rank if any rank has problems; ``problems`` holds (error class, message)."""
     if reduce_max([len(problems)])[0]:
         raise_for(exchange(problems), what)
 

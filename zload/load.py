@@ -117,6 +117,7 @@ def _zero_padding(param) -> None:
 
 
 def _planned(plan_load, index: CheckpointIndex) -> tuple[LoadPlan | None, list[tuple[str, str]]]:
+    """``plan_load(index)`` and its problems (an exception, or the plan's own)."""
     plan, problems = problems_of("planning", lambda: plan_load(index))
     return plan, (problems if plan is None else [("PlanError", p) for p in plan.problems])
 

@@ -1,9 +1,10 @@
 """Node-local checkpoints: ranks that cannot see a file get their bytes from ranks that can.
 
-When every rank sees every file (a shared filesystem), this costs one all-reduce of a
-fingerprint of the headers and nothing else. Otherwise the ranks share the headers of the files some rank lacks, plan
-as usual, and then each rank that lacks a file asks one of its readers for exactly the byte ranges
-it would have read itself; readers send them point to point in bounded batches.
+Each rank first indexes what it sees (``local_view``). When every rank sees every file (a shared
+filesystem), their views' fingerprints match and nothing else here runs. Otherwise the ranks
+share the headers of the files some rank lacks (``share_index``), plan as usual, and then each
+rank that lacks a file asks one of its readers for exactly the byte ranges it would have read
+itself; readers send them point to point in bounded batches (``fetch_remote``).
 """
 
 from __future__ import annotations
