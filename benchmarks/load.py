@@ -683,7 +683,10 @@ class TorchrunWorld:
         record = None
         if self.rank < world:
             env = _worker_env(world)
+            node_first = self.rank - self.local_rank  # torchrun numbers ranks node by node
+            on_this_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), world - node_first)
             env.update(RANK=str(self.rank), WORLD_SIZE=str(world), MASTER_PORT=str(port),
+                       LOCAL_WORLD_SIZE=str(on_this_node),  # zload sizes its reader threads by it
                        TORCHELASTIC_USE_AGENT_STORE="False")  # the worker world hosts its own store
             with tempfile.TemporaryDirectory(prefix="zload-bench-") as result_dir:
                 path = f"{log_path}.rank{self.rank}"
