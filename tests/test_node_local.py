@@ -80,6 +80,17 @@ def test_a_node_without_the_files(tmp_path, world):
 
 
 
+def test_a_whole_copy_on_every_node(tmp_path):
+    """Each node holds its own full copy under its own path: every rank reads its own copy, and
+    nothing is sent (the views' fingerprints match although the paths differ)."""
+    _, folder, reference = _checkpoint(tmp_path, seed=32)
+    shutil.copytree(folder, tmp_path / "node1" / "ckpt")
+    shutil.copytree(folder, tmp_path / "node2" / "ckpt")
+    nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "node2"]
+    results = run_world(3, _load_on_node, nodes, reference, 256)
+    assert all(read > 0 and sent == received == 0 for read, sent, received in results)
+
+
 def _load_while_the_reader_fails(node_dirs):
     """Rank 0 serves the others; its second batch read fails (a disk error mid-transfer)."""
     sharing = sys.modules["zload.sharing"]
