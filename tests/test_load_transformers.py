@@ -92,7 +92,7 @@ def test_deferred_registry_hands_out_transformers_own_transforms():
     from zload.names import _build_deferred_registry, _DeferredTransform, _LazyPattern
 
     deferred = _build_deferred_registry(conversion_mapping, core_model_loading)
-    assert conversion_mapping.WeightRenaming is core_model_loading.WeightRenaming  # restored
+    assert conversion_mapping.WeightRenaming is core_model_loading.WeightRenaming  # module untouched
     assert core_model_loading.re is re
     real = conversion_mapping._build_checkpoint_conversion_mapping()
     assert sorted(deferred) == sorted(real) and len(real) > 100

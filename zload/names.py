@@ -234,22 +234,25 @@ _deferred_registry = None  # built on first use; _UNAVAILABLE where this transfo
 def _build_deferred_registry(conversion_mapping, core_model_loading):
     """transformers' conversion registry, every transform in it deferred (``_DeferredTransform``).
 
+    transformers' build function runs with its own copy of its module's namespace, in which each
+    transform class makes a deferred transform instead, so no other thread sees a swapped class.
     The few transforms the build itself looks into are constructed then, with their regexes
     compiled on first use (``_LazyPattern``).
     """
-    classes = {name: value for name, value in vars(conversion_mapping).items()
-               if isinstance(value, type) and issubclass(value, core_model_loading.WeightTransform)}
+    build = conversion_mapping._build_checkpoint_conversion_mapping
+    namespace = dict(build.__globals__)
+    for name, value in build.__globals__.items():
+        if isinstance(value, type) and issubclass(value, core_model_loading.WeightTransform):
+            namespace[name] = functools.partial(_DeferredTransform, value)
+    deferred_build = types.FunctionType(build.__code__, namespace, build.__name__, build.__defaults__,
+                                        build.__closure__)
     lazy_re = types.SimpleNamespace(**vars(re))
     lazy_re.compile = _LazyPattern
-    for name, cls in classes.items():
-        setattr(conversion_mapping, name, functools.partial(_DeferredTransform, cls))
     core_model_loading.re = lazy_re  # WeightTransform.__init__ compiles through this name
     try:
-        return conversion_mapping._build_checkpoint_conversion_mapping()
+        return deferred_build()
     finally:
         core_model_loading.re = re
-        for name, cls in classes.items():
-            setattr(conversion_mapping, name, cls)
 
 
 @contextmanager
