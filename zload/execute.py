@@ -30,7 +30,7 @@ DEFAULT_STAGING_BYTES = 64 << 20  # both staging buffers together
 DEFAULT_READ_THREADS = 4  # readers per rank (the calling thread included), at most
 _ALIGN = 64  # staging placement; keeps every dtype view aligned
 _IOV_MAX = 1024  # buffers per preadv call (Linux IOV_MAX)
-_RUN_BYTES = 16 << 20  # longer runs are split so that the thread pool can share them
+_RUN_BYTES = 16 << 20  # longer runs are split so that the reader threads can share them
 
 
 def reader_count(limit: int = DEFAULT_READ_THREADS) -> int:

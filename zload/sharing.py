@@ -17,13 +17,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .distributed import (
-    comm_device,
-    exchange,
-    problems_of,
-    raise_for,
-    rank_and_world,
-)
+from .distributed import comm_device, exchange, problems_of, raise_for, rank_and_world
 from .errors import CheckpointError, ZloadError
 from .execute import _ALIGN, DEFAULT_STAGING_BYTES, _byte_view, align, read_ranges
 from .index import CheckpointIndex, TensorEntry, open_checkpoint
