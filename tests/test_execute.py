@@ -280,9 +280,15 @@ def test_reader_count_is_this_ranks_share_of_the_cpus(monkeypatch):
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
     assert reader_count() == 4 and reader_count(8) == 8
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_SIZE", "8")  # the DeepSpeed launcher's name
     assert reader_count() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun's
+    assert reader_count() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert reader_count() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert reader_count() == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)

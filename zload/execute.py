@@ -35,12 +35,14 @@ _RUN_BYTES = 16 << 20  # longer runs are split so that the reader threads can sh
 
 def reader_count(limit: int = DEFAULT_READ_THREADS) -> int:
     """Reader threads for this rank: ``limit``, but at most its share of the usable CPUs among the
-    ranks of this node (``LOCAL_WORLD_SIZE``, set by torchrun and the DeepSpeed launcher)."""
+    ranks of this node (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from the DeepSpeed
+    launcher)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
+    local_ranks = max(1, int(local)) if local.isdigit() else 1
     return max(1, min(limit, cpus // local_ranks))
 
 
