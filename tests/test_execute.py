@@ -251,7 +251,6 @@ def test_file_removed_after_indexing(tmp_path):
     assert str(path) in str(err.value)
 
 
-
 def test_a_failed_read_stops_the_other_reader_threads(tmp_path, monkeypatch):
     """Once one run fails the batch has failed: the other threads take no further runs."""
     import time
@@ -274,6 +273,7 @@ def test_a_failed_read_stops_the_other_reader_threads(tmp_path, monkeypatch):
         execute([item_for(entry, 0, 0, 1000, 0)], [torch.zeros(1000)], threads=2)
     assert len(calls) <= 3
 
+
 def test_reader_count_is_this_ranks_share_of_the_cpus(monkeypatch):
     """Page-cache reads are memory copies: no more reader threads than a rank's share of the CPUs."""
     from zload.execute import reader_count
@@ -288,7 +288,6 @@ def test_reader_count_is_this_ranks_share_of_the_cpus(monkeypatch):
     assert reader_count() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
     assert reader_count() == 4
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert reader_count() == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)

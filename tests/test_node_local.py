@@ -79,7 +79,6 @@ def test_a_node_without_the_files(tmp_path, world):
     assert results[0][1] == sum(r[2] for r in results[1:])  # rank 0 sent what the others received
 
 
-
 def test_a_whole_copy_on_every_node(tmp_path):
     """Each node holds its own full copy under its own path: every rank reads its own copy, and
     nothing is sent (the views' fingerprints match although the paths differ)."""

@@ -105,8 +105,6 @@ def test_human_bytes():
     assert human_bytes(2 * 10**12) == "2.00 TB"
 
 
-
-
 def test_reader_threads_reporting_at_once_draw_one_line():
     # The executor's reader threads report concurrently. A write that yields mid-draw lets a second
     # thread pass the "time to draw?" check before the first has recorded its draw, unless the
