@@ -183,8 +183,10 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     """Exchange the byte ranges ``items`` (this rank's reads of files it lacks) with their readers.
 
     Every rank must call this when ``shared.sharing``. Returns (bytes read for others, bytes
-    sent, bytes received, problems). Pairs (reader -> requester) are served in one global order, so
-    the blocking sends and receives cannot deadlock; memory is one batch of ``staging_bytes``.
+    sent, bytes received, problems). Pairs (reader -> requester) are served one after another in
+    one global order, so no two ranks wait on each other. Within a pair, batches of half of
+    ``staging_bytes`` alternate between two buffers: the reader reads the next batch while the
+    last is being sent, the requester receives the next while writing the last.
     Each batch ends in a status byte: a reader whose read fails still sends every batch it owes
     (marked failed, unread), and a rank that fails to write what it received keeps receiving, so
     no rank waits forever; the caller agrees on the problems.
@@ -196,43 +198,87 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     everyone = exchange(wire)
     read = sent = received = 0
     problems: list[tuple[str, str]] = []
-    device = comm_device()
-    capacity = max(_ALIGN * 2, staging_bytes)
+    capacity = max(_ALIGN * 2, staging_bytes // 2)
+    outboxes = inboxes = None  # allocated once, when first needed; fresh ones would page-fault
     for requester in range(world):
         for server in sorted({w[0] for w in everyone[requester]}):
-            if rank not in (server, requester):
-                continue
-            if rank == requester:
-                mine = [i for s, i in requests if s == server]
-            else:
+            if rank == server:
                 mine = [ReadItem(os.path.join(shared.root, k), offset, nbytes, dtype, 0, 0, numel)
                         for s, k, offset, nbytes, numel, dtype in everyone[requester] if s == server]
-            for batch in _batches(mine, capacity):
-                used = batch[-1][0] + batch[-1][1].nbytes
-                if rank == server:
-                    message = torch.empty(used + 1, dtype=torch.uint8)  # the batch, then its status
-                    if not problems:
-                        view = _byte_view(message)
-                        ranges = [(part.file, part.offset, view[start:start + part.nbytes])
-                                  for start, part in batch]
-                        got, problems = problems_of(f"reading for rank {requester}",
-                                                    partial(read_ranges, ranges))
-                        read += got or 0
-                    message[used] = _FAILED if problems else _OK
-                    dist.send(message.to(device), dst=requester)
-                    sent += used
-                else:
-                    incoming = torch.empty(used + 1, dtype=torch.uint8, device=device)
-                    dist.recv(incoming, src=server)
-                    received += used
-                    if int(incoming[used]) != _OK and not problems:
-                        lost = (f"rank {server} could not read the bytes this rank lacks "
-                                f"(see rank {server}'s problem)")
-                        problems.append(("CheckpointError", lost))
-                    if problems:
-                        continue  # the load has failed: keep every send and receive, write no more
-                    segments = [Segment(start, getattr(torch, part.src_dtype), part.numel, part.target,
-                                        part.dst_offset) for start, part in batch]
-                    _, problems = problems_of(f"writing the bytes rank {server} sent",
-                                              partial(scatter_cast, incoming, segments, dests))
+                outboxes = outboxes or [torch.empty(capacity + 1, dtype=torch.uint8) for _ in range(2)]
+                got, out, problems = _serve(_batches(mine, capacity), requester, outboxes, problems)
+                read, sent = read + got, sent + out
+            elif rank == requester:
+                mine = [i for s, i in requests if s == server]
+                inboxes = inboxes or [torch.empty(capacity + 1, dtype=torch.uint8, device=comm_device())
+                                      for _ in range(2)]
+                got, problems = _receive(_batches(mine, capacity), server, inboxes, dests, problems)
+                received += got
     return read, sent, received, problems
+
+
+def _used(batch: list[tuple[int, ReadItem]]) -> int:
+    return batch[-1][0] + batch[-1][1].nbytes
+
+
+def _serve(batches, requester: int, outboxes: list[torch.Tensor], problems: list) -> tuple[int, int, list]:
+    """Read and send each batch to ``requester``; returns (bytes read, bytes sent, problems).
+
+    Batch k goes through ``outboxes[k % 2]``, whose send from batch k - 2 was waited for before
+    batch k - 1 was sent.
+    """
+    read = sent = 0
+    in_flight = None  # (work, the tensor being sent)
+    for k, batch in enumerate(batches):
+        used = _used(batch)
+        message = outboxes[k % 2][:used + 1]  # the batch, then its status
+        if not problems:
+            view = _byte_view(message)
+            ranges = [(part.file, part.offset, view[start:start + part.nbytes]) for start, part in batch]
+            got, problems = problems_of(f"reading for rank {requester}", partial(read_ranges, ranges))
+            read += got or 0
+        message[used] = _FAILED if problems else _OK
+        if in_flight is not None:
+            in_flight[0].wait()
+        outgoing = message.to(comm_device())
+        in_flight = (dist.isend(outgoing, dst=requester), outgoing)
+        sent += used
+    if in_flight is not None:
+        in_flight[0].wait()
+    return read, sent, problems
+
+
+def _receive(batches, server: int, inboxes: list[torch.Tensor], dests: list[torch.Tensor],
+             problems: list) -> tuple[int, list]:
+    """Receive each batch from ``server`` and write it; returns (bytes received, problems).
+
+    Batch k lands in ``inboxes[k % 2]``, posted once batch k - 2 has been written from it.
+    """
+    received = 0
+    pending = None  # (work, buffer, batch) received into but not yet written
+    for k, batch in enumerate(batches):
+        incoming = inboxes[k % 2][:_used(batch) + 1]
+        work = dist.irecv(incoming, src=server)
+        if pending is not None:
+            problems = _write_received(*pending, server, dests, problems)
+        pending = (work, incoming, batch)
+        received += _used(batch)
+    if pending is not None:
+        problems = _write_received(*pending, server, dests, problems)
+    return received, problems
+
+
+def _write_received(work, incoming: torch.Tensor, batch, server: int, dests: list[torch.Tensor],
+                    problems: list) -> list:
+    """Wait for one received batch and write it into ``dests``, unless the load already failed."""
+    work.wait()
+    if int(incoming[-1]) != _OK and not problems:
+        problems = [*problems, ("CheckpointError", f"rank {server} could not read the bytes this rank "
+                                                   f"lacks (see rank {server}'s problem)")]
+    if problems:
+        return problems  # the load has failed: keep receiving, write no more
+    segments = [Segment(start, getattr(torch, part.src_dtype), part.numel, part.target, part.dst_offset)
+                for start, part in batch]
+    _, problems = problems_of(f"writing the bytes rank {server} sent",
+                              partial(scatter_cast, incoming, segments, dests))
+    return problems
