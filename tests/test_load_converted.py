@@ -18,7 +18,7 @@ from .zero3 import build_zero, check_against
 
 transformers = pytest.importorskip("transformers")
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping  # noqa: E402
-from transformers.core_model_loading import Transpose, WeightConverter  # noqa: E402
+from transformers.core_model_loading import Chunk, Transpose, WeightConverter  # noqa: E402
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
@@ -49,6 +49,17 @@ register_checkpoint_conversion_mapping(
     overwrite=True)
 
 
+class LlamaWithFusedTransposedMLP(transformers.LlamaForCausalLM):
+    """A model whose checkpoint stores gate and up fused and transposed: one conversion, two outputs."""
+
+
+register_checkpoint_conversion_mapping(
+    "LlamaWithFusedTransposedMLP",
+    [WeightConverter("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                     operations=[Transpose(0, 1), Chunk(dim=0)])],
+    overwrite=True)
+
+
 def _llama_config():
     return transformers.LlamaConfig(vocab_size=53, hidden_size=24, intermediate_size=19,
                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -59,6 +70,11 @@ MODELS = {
     "vision_encoder_decoder": (transformers.VisionEncoderDecoderModel, _vision_encoder_decoder_config),
     "mixtral": (transformers.MixtralForCausalLM, _mixtral_config),
     "transposed_llama": (LlamaWithTransposedMLP, _llama_config),
+    "fused_transposed_llama": (LlamaWithFusedTransposedMLP, _llama_config),
+}
+SLOW_PATH = {
+    "transposed_llama": [f"model.layers.{k}.mlp.up_proj.weight" for k in range(2)],
+    "fused_transposed_llama": [f"model.layers.{k}.mlp.{p}_proj.weight" for k in range(2) for p in ("gate", "up")],
 }
 
 
@@ -105,24 +121,26 @@ def saved(tmp_path_factory):
     ("mixtral", 3, "float32"),
     ("mixtral", 4, "bfloat16"),
     ("transposed_llama", 3, "float32"),
+    ("fused_transposed_llama", 3, "bfloat16"),
 ])
 def test_converted_checkpoint_bit_exact(saved, kind, world, dtype):
     results = run_world(world, _load_and_compare, kind, saved[kind], dtype)
     for compared, missing, unexpected, slow_path, tied in results:
         assert compared > 10 and missing == [] and unexpected == [] and tied
-        if kind == "transposed_llama":
-            assert slow_path == ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"]
-        else:
-            assert slow_path == []  # renames, stacking and concatenation stay partition-aware
+        # renames, stacking and concatenation stay partition-aware
+        assert slow_path == SLOW_PATH.get(kind, [])
 
 
-def _mixtral_bytes_read(folder):
-    model = build_zero(lambda: transformers.MixtralForCausalLM(_mixtral_config()))
+def _bytes_read(kind, folder):
+    cls, make_config = MODELS[kind]
+    model = build_zero(lambda: cls(make_config()))
     report = zload.load_into(model, folder)
     return report.bytes_read, report.checkpoint_bytes
 
 
-def test_stacked_experts_are_read_by_partition(saved):
-    """Per-expert tensors feeding one stacked parameter are still read once across ranks."""
-    results = run_world(3, _mixtral_bytes_read, saved["mixtral"])
+@pytest.mark.parametrize("kind", ["mixtral", "fused_transposed_llama"])
+def test_every_checkpoint_byte_is_read_once_across_ranks(saved, kind):
+    """Per-expert tensors feeding one stacked parameter are read by partition; a slow-path
+    conversion with two outputs reads its input once, on one rank, for both."""
+    results = run_world(3, _bytes_read, kind, saved[kind])
     assert sum(r[0] for r in results) == results[0][1]

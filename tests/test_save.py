@@ -53,10 +53,10 @@ def test_save_round_trip_bit_exact(tmp_path, world):
     assert sum(r[1] for r in results) == sum(t.numel() * t.element_size() for t in saved.values())
 
 
-def _save_transposed(out):
+def _save_transposed(out, kind):
     from .test_load_converted import MODELS
 
-    cls, make_config = MODELS["transposed_llama"]
+    cls, make_config = MODELS[kind]
     torch.manual_seed(3)
     model = build_zero(lambda: cls(make_config()))
     for p in model.parameters():  # values unlike any init, the same on every rank
@@ -66,15 +66,16 @@ def _save_transposed(out):
     return report.gathered, _gathered_state(model)
 
 
-def test_save_gathers_only_tensors_whose_conversion_is_no_layout(tmp_path):
-    """A checkpoint stores up_proj transposed: only those two parameters are gathered, and
-    transformers loads the folder back exactly."""
-    from .test_load_converted import MODELS
+@pytest.mark.parametrize("kind", ["transposed_llama", "fused_transposed_llama"])
+def test_save_gathers_only_tensors_whose_conversion_is_no_layout(tmp_path, kind):
+    """A checkpoint stores up_proj transposed (or gate and up fused and transposed): only those
+    parameters are gathered, and transformers loads the folder back exactly."""
+    from .test_load_converted import MODELS, SLOW_PATH
 
-    results = run_world(3, _save_transposed, str(tmp_path / "out"))
+    results = run_world(3, _save_transposed, str(tmp_path / "out"), kind)
     gathered, expected = results[0]
-    assert gathered == ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"]
-    loaded, info = MODELS["transposed_llama"][0].from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert gathered == SLOW_PATH[kind]
+    loaded, info = MODELS[kind][0].from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info
     for name, tensor in loaded.named_parameters():  # every parameter, none skipped by name
         assert torch.equal(tensor, expected[name]), name

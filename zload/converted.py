@@ -1,8 +1,9 @@
 """Tensors that only one rank builds, sent to the ranks that need them.
 
 Some transformers conversions cannot be described as byte ranges of the checkpoint (a transpose,
-a permutation). For those, one reader rank (round robin over the tensors) reads the inputs whole,
-converts, and sends each rank its own partition; every rank takes part in the same order.
+a permutation). For those, one reader rank (round robin over the conversions) reads the inputs
+whole, converts them once for all of the conversion's outputs, and sends each rank its own
+partition of each; every rank takes part in the same order.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from .sharing import SharedIndex
 from .targets import PARTITION
 
 
-def _build(source, dtype) -> tuple[torch.Tensor | None, list]:
+def _build(source, dtype, read) -> tuple[torch.Tensor | None, list]:
     """Run the conversion; a failure becomes a problem so the other ranks are not left waiting."""
     def convert():
-        tensor = source.convert(read_tensor).to(dtype).reshape(-1).contiguous()
+        tensor = source.convert(read).to(dtype).reshape(-1).contiguous()
         if tensor.numel() != prod(source.shape):
             raise ZloadError(f"converting {list(source.names)} gave {tensor.numel()} elements, "
                              f"expected shape {list(source.shape)}")
@@ -35,21 +36,28 @@ def _build(source, dtype) -> tuple[torch.Tensor | None, list]:
 def load_converted(plan: LoadPlan, dests: list[torch.Tensor], shared: SharedIndex) -> int:
     """Build every slow-path target on its reader rank and deliver it; returns bytes read here.
 
-    The reader is chosen round robin among the ranks that can read all of the target's inputs.
+    The reader is chosen round robin among the ranks that can read all of a conversion's inputs;
+    targets built from the same inputs (one conversion's outputs) share it, which converts once.
     """
     rank, world = rank_and_world()
     bytes_read = 0
-    for k, i in enumerate(plan.slow):
+
+    def read(entry):
+        nonlocal bytes_read
+        bytes_read += entry.nbytes
+        return read_tensor(entry)
+
+    conversions: dict[tuple[str, ...], int] = {}  # inputs -> round-robin position
+    for i in plan.slow:
         target, source, dst = plan.targets[i], plan.sources[i], dests[i]
         candidates = shared.ranks_reading({e.file for e in source.entries})
         if not candidates:
             raise ZloadError(f"zload: no single rank can read all of {list(source.names)} (they lie on "
                              f"different nodes), which converting '{target.name}' needs")
-        reader = candidates[k % len(candidates)]
+        reader = candidates[conversions.setdefault(source.names, len(conversions)) % len(candidates)]
         tensor, problems = None, []
         if rank == reader:
-            tensor, problems = _build(source, dst.dtype)
-            bytes_read += sum(e.nbytes for e in source.entries)
+            tensor, problems = _build(source, dst.dtype, read)
         agree(problems, f"zload: converting '{target.name}' failed; the model is partly written")
         if target.kind == PARTITION:
             _deliver_partition(target, tensor, dst, reader)

@@ -359,8 +359,9 @@ def _pieces_from_layout(group, meta_out, module, converter, target_key) -> dict[
     return result
 
 
-def _converter_sources(module, converter, target_key, group) -> dict[str, Source]:
-    """Sources for every model tensor one transformers WeightConverter produces."""
+def _converter_sources(module, converter, target_key, group,
+                       wanted: Callable[[str], bool]) -> dict[str, Source]:
+    """Sources for the ``wanted`` model tensors one transformers WeightConverter produces."""
     import torch
 
     from .index import DTYPES
@@ -369,18 +370,25 @@ def _converter_sources(module, converter, target_key, group) -> dict[str, Source
         return torch.empty(entry.shape, dtype=getattr(torch, DTYPES[entry.dtype][0]), device="meta")
 
     meta_out = _run_converter(converter, target_key, group, meta_tensor, module)
+    keys = [key for key in meta_out if wanted(key)]
     entries = tuple(e for _, e in group)
     layout = _pieces_from_layout(group, meta_out, module, converter, target_key) \
         if _layout_ops_only(converter) else None
     if layout is not None:
-        return {key: Source(entries, shape, pieces) for key, (shape, pieces) in layout.items()}
+        return {key: Source(entries, *layout[key]) for key in keys}
+    built: dict = {}  # outputs converted but not yet handed out
 
     def converter_for(key):
         def convert(read_tensor):
-            return _run_converter(converter, target_key, group, read_tensor, module)[key]
+            # The first output asked for reads the inputs and converts them once for all outputs;
+            # each is handed out once, so none is held after its turn.
+            if key not in built:
+                outputs = _run_converter(converter, target_key, group, read_tensor, module)
+                built.update((k, outputs[k]) for k in keys)
+            return built.pop(key)
         return convert
 
-    return {key: Source(entries, tuple(meta.shape), (), converter_for(key)) for key, meta in meta_out.items()}
+    return {key: Source(entries, tuple(meta_out[key].shape), (), converter_for(key)) for key in keys}
 
 
 def _transformers_renames(module, renamed: dict[str, str], model_names: set[str]):
@@ -440,9 +448,9 @@ def match(index: CheckpointIndex, targets: list[Target], module=None,
         plain, groups = _transformers_renames(hf, renamed, model_names)
         for target_key, (converter, members) in groups.items():
             group = [(pattern, index.tensors[name]) for pattern, name in members]
-            for key, source in _converter_sources(hf, converter, target_key, group).items():
-                if key in lookup:
-                    assign(lookup[key], source)
+            for key, source in _converter_sources(hf, converter, target_key, group,
+                                                  lookup.__contains__).items():
+                assign(lookup[key], source)
 
     unmatched = [n for n, new in plain.items() if new not in lookup]
     fixes = align_prefix([plain[n] for n in unmatched], lookup)
