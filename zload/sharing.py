@@ -183,8 +183,8 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     """Exchange the byte ranges ``items`` (this rank's reads of files it lacks) with their readers.
 
     Every rank must call this when ``shared.sharing``. Returns (bytes read for others, bytes
-    sent, bytes received, problems). Pairs (reader -> requester) are served one after another in
-    one global order, so no two ranks wait on each other. Within a pair, batches of half of
+    sent, bytes received, problems). Pairs (reader -> requester) are served in one global order, so
+    the sends and receives cannot deadlock. Within a pair, batches of half of
     ``staging_bytes`` alternate between two buffers: the reader reads the next batch while the
     last is being sent, the requester receives the next while writing the last.
     Each batch ends in a status byte: a reader whose read fails still sends every batch it owes
