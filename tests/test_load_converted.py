@@ -74,7 +74,8 @@ MODELS = {
 }
 SLOW_PATH = {
     "transposed_llama": [f"model.layers.{k}.mlp.up_proj.weight" for k in range(2)],
-    "fused_transposed_llama": [f"model.layers.{k}.mlp.{p}_proj.weight" for k in range(2) for p in ("gate", "up")],
+    "fused_transposed_llama": [f"model.layers.{k}.mlp.{p}_proj.weight"
+                               for k in range(2) for p in ("gate", "up")],
 }
 
 

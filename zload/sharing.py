@@ -257,12 +257,13 @@ def _receive(batches, server: int, inboxes: list[torch.Tensor], dests: list[torc
     received = 0
     pending = None  # (work, buffer, batch) received into but not yet written
     for k, batch in enumerate(batches):
-        incoming = inboxes[k % 2][:_used(batch) + 1]
+        used = _used(batch)
+        incoming = inboxes[k % 2][:used + 1]
         work = dist.irecv(incoming, src=server)
         if pending is not None:
             problems = _write_received(*pending, server, dests, problems)
         pending = (work, incoming, batch)
-        received += _used(batch)
+        received += used
     if pending is not None:
         problems = _write_received(*pending, server, dests, problems)
     return received, problems
