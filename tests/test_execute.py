@@ -345,3 +345,33 @@ def test_scatter_cast_segments():
     scatter_cast(staging, segments, destinations)
     for actual, want in zip(destinations, expected):
         assert_bits_equal(actual, want)
+
+
+@pytest.mark.parametrize("capacity", [64, 200, 4096])
+def test_staging_layout_packs_aligned_parts_that_cover_each_item(capacity):
+    """Every part starts at a 64-byte aligned offset and ends within ``capacity``; parts of a batch
+    do not overlap; each item's parts cover exactly its elements and bytes, in order."""
+    rng = random.Random(capacity)
+    items = [ReadItem("f", rng.randrange(10_000), n * size, dtype, k, rng.randrange(100), n)
+             for k, (n, size, dtype) in enumerate(
+                 (rng.randrange(1, 300), *rng.choice([(2, "bfloat16"), (4, "float32"), (8, "int64")]))
+                 for _ in range(40))]
+    layout = execute_module.StagingLayout(capacity)
+    batches, end = [], 0
+    for item in items:
+        parts = layout.parts(item)
+        assert [p.dst_offset for p in parts] == list(range(item.dst_offset, item.dst_offset + item.numel,
+                                                           parts[0].numel))
+        assert sum(p.numel for p in parts) == item.numel and sum(p.nbytes for p in parts) == item.nbytes
+        assert all(p.offset == item.offset + (p.dst_offset - item.dst_offset) * item.nbytes // item.numel
+                   for p in parts)
+        for part in parts:
+            start = layout.place(part.nbytes)
+            if start == 0:
+                batches.append(0)
+            else:
+                assert start >= end  # after the batch's previous part
+            assert start % 64 == 0 and start + part.nbytes <= capacity
+            end = start + part.nbytes
+            batches[-1] += 1
+    assert len(batches) > (1 if capacity < 4096 else 0)

@@ -51,6 +51,28 @@ def align(position: int) -> int:
     return -(-position // _ALIGN) * _ALIGN
 
 
+class StagingLayout:
+    """Where byte ranges go in staging buffers of ``capacity`` bytes: each at the next aligned
+    offset, and a new batch (from offset 0) whenever the current one has no room. Readers and the
+    ranks they send to compute the same layout from the same items, so they agree on every offset."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.position = 0
+
+    def parts(self, item: ReadItem) -> list[ReadItem]:
+        """``item`` cut into pieces that each fit a batch."""
+        return split_item(item, self.capacity - _ALIGN)
+
+    def place(self, nbytes: int) -> int:
+        """The offset of the next ``nbytes`` (a part); 0 starts a new batch."""
+        start = align(self.position)
+        if start + nbytes > self.capacity:
+            start = 0
+        self.position = start + nbytes
+        return start
+
+
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The writable bytes of a contiguous CPU tensor."""
     return memoryview(tensor.detach().view(torch.uint8).numpy()).cast("B")
@@ -143,7 +165,7 @@ class _Reader:
         self.device = device
         self.buffers: list[_Staging] = []
         self.current = 0
-        self.position = 0
+        self.layout = StagingLayout(self.capacity)
         self.segments: list[Segment] = []
         self.runs: list[_Run] = []
         self.pending = None  # the batch being read: (queue, helpers' futures, staging, segments)
@@ -187,16 +209,14 @@ class _Reader:
             view = _byte_view(dst[item.dst_offset:item.dst_offset + item.numel])
             self._queue(item.file, item.offset, view)
             return
-        for part in split_item(item, self.capacity - _ALIGN):
-            start = align(self.position)
-            if start + part.nbytes > self.capacity:
+        for part in self.layout.parts(item):
+            start = self.layout.place(part.nbytes)
+            if start == 0 and self.segments:
                 self.flush()
-                start = 0
             staging = self._staging()
             if start == 0:
                 staging.ready_for_reading()
-            self.position = start + part.nbytes
-            self._queue(part.file, part.offset, staging.view[start:self.position])
+            self._queue(part.file, part.offset, staging.view[start:start + part.nbytes])
             self.segments.append(Segment(start, src_dtype, part.numel, part.target, part.dst_offset))
 
     def flush(self) -> None:
@@ -205,7 +225,7 @@ class _Reader:
         helpers = min(self.helpers, len(self.runs))
         futures = [self.pool.submit(queue.read_until_empty) for _ in range(helpers)]
         batch = (queue, futures, self._staging() if self.segments else None, self.segments)
-        self.runs, self.segments, self.position = [], [], 0
+        self.runs, self.segments = [], []
         self._finish(self.pending)
         self.pending = batch
         self.current = 1 - self.current

@@ -19,10 +19,16 @@ import torch.distributed as dist
 
 from .distributed import comm_device, exchange, problems_of, raise_for, rank_and_world
 from .errors import CheckpointError, ZloadError
-from .execute import _ALIGN, DEFAULT_STAGING_BYTES, _byte_view, align, read_ranges
+from .execute import (
+    _ALIGN,
+    DEFAULT_STAGING_BYTES,
+    StagingLayout,
+    _byte_view,
+    read_ranges,
+)
 from .index import CheckpointIndex, TensorEntry, open_checkpoint
 from .kernels import Segment, scatter_cast
-from .plan import ReadItem, split_item
+from .plan import ReadItem
 
 _OK, _FAILED = 0, 1  # the status byte ending each batch a reader sends
 
@@ -154,21 +160,15 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
 
 
 def _batches(items: list[ReadItem], capacity: int) -> list[list[tuple[int, ReadItem]]]:
-    """Greedy packing into batches of at most ``capacity`` bytes, each item at an aligned offset.
-
-    Sender and receiver compute this from the same item list, so they agree on every offset.
-    """
-    batches, batch, position = [], [], 0
+    """``items`` as batches of (staging offset, part), each batch at most ``capacity`` bytes."""
+    layout = StagingLayout(capacity)
+    batches: list[list[tuple[int, ReadItem]]] = []
     for item in items:
-        for part in split_item(item, capacity - _ALIGN):
-            start = align(position)
-            if batch and start + part.nbytes > capacity:
-                batches.append(batch)
-                batch, start = [], 0
-            batch.append((start, part))
-            position = start + part.nbytes
-    if batch:
-        batches.append(batch)
+        for part in layout.parts(item):
+            start = layout.place(part.nbytes)
+            if start == 0:
+                batches.append([])
+            batches[-1].append((start, part))
     return batches
 
 
