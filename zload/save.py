@@ -234,14 +234,21 @@ def _sources(targets: list[Target], master_weights: bool) -> dict[int, torch.Ten
     return sources
 
 
+def _split(item: WriteItem, max_bytes: int) -> list[WriteItem]:
+    """``item`` in pieces of at most ``max_bytes`` (at least one element each)."""
+    size = getattr(torch, item.dtype).itemsize
+    step = max(1, max_bytes // size)
+    return [WriteItem(item.file, item.offset + first * size, item.target, item.src_offset + first,
+                      min(step, item.numel - first), item.dtype)
+            for first in range(0, item.numel, step)]
+
+
 def _chunks(item: WriteItem, source: torch.Tensor, buffer_bytes: int):
     """(byte offset, bytes) of ``item`` in pieces of at most ``buffer_bytes``, cast on the way."""
-    step = max(1, buffer_bytes // getattr(torch, item.dtype).itemsize)
-    for first in range(0, item.numel, step):
-        count = min(step, item.numel - first)
-        chunk = source[item.src_offset + first:item.src_offset + first + count]
-        chunk = chunk.detach().to(device="cpu", dtype=getattr(torch, item.dtype)).contiguous()
-        yield item.offset + first * chunk.element_size(), memoryview(chunk.view(torch.uint8).numpy())
+    for part in _split(item, buffer_bytes):
+        chunk = source[part.src_offset:part.src_offset + part.numel]
+        chunk = chunk.detach().to(device="cpu", dtype=getattr(torch, part.dtype)).contiguous()
+        yield part.offset, memoryview(chunk.view(torch.uint8).numpy())
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -320,11 +327,7 @@ def _batch(items: list[WriteItem], buffer_bytes: int) -> list[list[WriteItem]]:
     """Items split and packed into batches of at most ``buffer_bytes`` (same on every rank)."""
     batches, batch, size = [], [], 0
     for item in items:
-        step = max(1, buffer_bytes // getattr(torch, item.dtype).itemsize)
-        for first in range(0, item.numel, step):
-            part = WriteItem(item.file, item.offset + first * getattr(torch, item.dtype).itemsize,
-                             item.target, item.src_offset + first, min(step, item.numel - first),
-                             item.dtype)
+        for part in _split(item, buffer_bytes):
             if batch and size + part.nbytes > buffer_bytes:
                 batches.append(batch)
                 batch, size = [], 0
