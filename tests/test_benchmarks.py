@@ -1,0 +1,94 @@
+"""The benchmark scripts, run small on CPU, so that the numbers the README quotes come from a script
+that still works, and the GPU check works before a lent GPU machine is spent on it.
+
+These check what each script reports (bytes, verification, outputs), never its timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import gpu_check
+from zload.kernels.torch_scatter import scatter_cast_torch
+
+REPO = Path(__file__).resolve().parent.parent
+SIZE = "20MB"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """Checkpoints the scripts write, shared by this module's tests."""
+    return tmp_path_factory.mktemp("bench-cache")
+
+
+def run_module(module: str, *args, env=None) -> None:
+    """``python -m module args`` from the repository root; it must succeed."""
+    done = subprocess.run([sys.executable, "-m", module, *map(str, args)], check=False, cwd=REPO,
+                          text=True, capture_output=True, timeout=600, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_load_benchmark_reports_what_each_method_did(cache, tmp_path):
+    """Every method runs at W=2; the zload and transformers partitions are verified bit for bit;
+    each zload rank reads exactly its share (the floor's), transformers reads everything on rank 0;
+    zload.init's load exchanges only its agreement bytes; the JSON, table and plot are written."""
+    run_module("benchmarks.load", "--size", SIZE, "--world", "2", "--runs", "1", "--cache", cache,
+               "--out", tmp_path, "--name", "smoke")
+    data = json.loads((tmp_path / "load-smoke.json").read_text())
+    runs = {r["method"]: r["runs"][0] for r in data["results"] if r["world"] == 2}
+    assert set(runs) == {"floor", "zload", "zload+init", "transformers"}
+    total = data["checkpoints"][0]["checkpoint_bytes"]
+    shares = runs["floor"]["bytes_read_by_rank"]
+    assert sum(shares) == total and len(shares) == 2
+    for method in ("zload", "zload+init"):
+        assert runs[method]["verified"] is True
+        assert runs[method]["bytes_read_by_rank"] == shares
+        assert runs[method]["zload_sent_received"] == 0
+    assert runs["zload+init"]["collective_received_load"] < 1000
+    assert runs["transformers"]["verified"] is True
+    assert runs["transformers"]["bytes_read_by_rank"] == [total, 0]
+    assert runs["transformers"]["collective_received_load"] > total  # gather and broadcast
+    table = (tmp_path / "load-smoke.md").read_text()
+    for method in runs:
+        assert f"| {method} |" in table
+    assert len(data["targets"]) == 4 and all(t.startswith(SIZE) for t in data["targets"])
+    assert (tmp_path / "load-smoke.png").stat().st_size > 1000
+
+
+def test_gpu_check_smoke_run_on_cpu(cache, tmp_path):
+    """``--device cpu``: the Triton kernel (interpreted) agrees with torch for every dtype pair,
+    and the one-rank load is verified against the files."""
+    pytest.importorskip("triton")
+    run_module("benchmarks.gpu_check", "--device", "cpu", "--size", SIZE, "--cache", cache,
+               "--out", tmp_path, env={"TRITON_INTERPRET": "1"})
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert len(results["kernel_bit_exact"]) == 9 and all(results["kernel_bit_exact"].values())
+    assert results["load"]["verified"]["ok"] and results["load"]["verified"]["checked"] > 10
+    assert results["load"]["checkpoint_bytes"] > 10e6 and "pinned_h2d_gbps" not in results
+
+
+def test_gpu_check_catches_a_kernel_that_differs(monkeypatch):
+    """A kernel that gets one element wrong fails its dtype pair; one that hands segments back
+    to torch (as on CPU without the interpreter) is an error, not a pass."""
+    def one_wrong(staging, segments, destinations):
+        scatter_cast_torch(staging, segments, destinations)
+        if segments[0].src_dtype == torch.float16:
+            destinations[-1][-1] += 1
+        return []
+
+    triton_scatter = pytest.importorskip("zload.kernels.triton_scatter")
+    monkeypatch.setattr(triton_scatter, "scatter_cast_triton", one_wrong)
+    results = gpu_check.kernel_check(torch.device("cpu"))
+    assert {pair for pair, same in results.items() if not same} == {
+        "float16->float32", "float16->float16", "float16->bfloat16"}
+
+    monkeypatch.setattr(triton_scatter, "scatter_cast_triton", lambda staging, segments, dests: segments)
+    with pytest.raises(RuntimeError, match="did not take 4 of 4 segments"):
+        gpu_check.kernel_check(torch.device("cpu"))
