@@ -35,12 +35,18 @@ def run_module(module: str, *args, env=None) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def test_load_benchmark_reports_what_each_method_did(cache, tmp_path):
-    """Every method runs at W=2; the zload and transformers partitions are verified bit for bit;
+@pytest.mark.parametrize("launch", ["own worlds", "torchrun"])
+def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch):
+    """Every method runs at W=2, whether the script launches a world per measurement or runs under
+    torchrun (as on a GPU node); the zload and transformers partitions are verified bit for bit;
     each zload rank reads exactly its share (the floor's), transformers reads everything on rank 0;
     zload.init's load exchanges only its agreement bytes; the JSON, table and plot are written."""
-    run_module("benchmarks.load", "--size", SIZE, "--world", "2", "--runs", "1", "--cache", cache,
-               "--out", tmp_path, "--name", "smoke")
+    args = ["--size", SIZE, "--runs", "1", "--cache", cache, "--out", tmp_path, "--name", "smoke"]
+    if launch == "torchrun":
+        run_module("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                   "benchmarks.load", *args)
+    else:
+        run_module("benchmarks.load", "--world", "2", *args)
     data = json.loads((tmp_path / "load-smoke.json").read_text())
     runs = {r["method"]: r["runs"][0] for r in data["results"] if r["world"] == 2}
     assert set(runs) == {"floor", "zload", "zload+init", "transformers"}
