@@ -999,11 +999,20 @@ def plot(data: dict, path: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(data: dict, stem: str) -> None:
-    """STEM.md (the command, then the table) and STEM.png from a results dict."""
+def write_outputs(data: dict, stem: str) -> str:
+    """STEM.md (the command, then the table) and STEM.png from a results dict; returns what it
+    wrote. Without matplotlib (a GPU machine's image may lack it) there is no plot, rather than a
+    failure after the measurements: ``--render STEM.json`` draws it elsewhere."""
     with open(stem + ".md", "w") as f:
         f.write(f"`{data['command']}`\n\n" + markdown(data))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log(f"no matplotlib here, so no plot: `python -m benchmarks.load --render {stem}.json` "
+            "draws it where matplotlib is installed (pip install -e '.[bench]')")
+        return ".md"
     plot(data, stem + ".png")
+    return ".md, .png"
 
 
 def default_name() -> str:
@@ -1192,8 +1201,8 @@ def main(argv=None) -> int:
     stem = os.path.join(out_dir, f"load-{name}")
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=1)
-    write_outputs(data, stem)
-    log(f"wrote {stem}.json, .md, .png in {data['seconds']:.0f} s")
+    written = write_outputs(data, stem)
+    log(f"wrote {stem}.json, {written} in {data['seconds']:.0f} s")
     print()
     print(markdown(data))
     if coord:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
+from benchmarks import load as load_benchmark
 from zload.kernels.torch_scatter import scatter_cast_torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,11 +37,12 @@ def run_module(module: str, *args, env=None) -> None:
 
 
 @pytest.mark.parametrize("launch", ["own worlds", "torchrun"])
-def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch):
+def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch, monkeypatch):
     """Every method runs at W=2, whether the script launches a world per measurement or runs under
     torchrun (as on a GPU node); the zload and transformers partitions are verified bit for bit;
     each zload rank reads exactly its share (the floor's), transformers reads everything on rank 0;
-    zload.init's load exchanges only its agreement bytes; the JSON, table and plot are written."""
+    zload.init's load exchanges only its agreement bytes; the JSON, table and plot are written, and
+    without matplotlib (as on a GPU machine's image) the table still is."""
     args = ["--size", SIZE, "--runs", "1", "--cache", cache, "--out", tmp_path, "--name", "smoke"]
     if launch == "torchrun":
         run_module("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
@@ -66,6 +68,9 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch):
         assert f"| {method} |" in table
     assert len(data["targets"]) == 4 and all(t.startswith(SIZE) for t in data["targets"])
     assert (tmp_path / "load-smoke.png").stat().st_size > 1000
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" raises ImportError
+    assert load_benchmark.write_outputs(data, str(tmp_path / "again")) == ".md"
+    assert (tmp_path / "again.md").read_text() == table and not (tmp_path / "again.png").exists()
 
 
 def test_gpu_check_smoke_run_on_cpu(cache, tmp_path):
