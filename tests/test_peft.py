@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import zload
 
 from .harness import run_world
-from .zero3 import assert_bit_equal, build_zero, check_against
+from .zero3 import assert_bit_equal, build_zero, check_against, gathered
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -44,6 +44,10 @@ def _lora_config():
 
 def _is_lora(name: str) -> bool:
     return ".lora_" in name
+
+
+def _lora_params(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if _is_lora(n)}
 
 
 def _file_name(model_name: str, adapter: str) -> str:
@@ -221,9 +225,7 @@ def _loss(engine, batch):
 
 
 def _gathered_lora(engine) -> dict[str, torch.Tensor]:
-    lora = {n: p for n, p in engine.module.named_parameters() if _is_lora(n)}
-    with deepspeed.zero.GatheredParameters(list(lora.values())):
-        return {n: p.detach().clone() for n, p in lora.items()}
+    return gathered(_lora_params(engine.module))
 
 
 def _resume_body(saved, out_dir, bf16, lora_partitioned):

@@ -13,17 +13,7 @@ import zload
 
 from . import models
 from .harness import run_world
-from .zero3 import build_zero
-
-
-def _gathered_state(model) -> dict[str, torch.Tensor]:
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        state = {n: p.data.clone() for n, p in model.named_parameters()}
-    state.update({n: b.clone() for n, b in model.named_buffers()
-                  if n.rsplit(".", 1)[-1] not in ("position_ids",)})
-    return state
+from .zero3 import build_zero, full_state
 
 
 def _save_and_report(load_path, out, max_shard_size, shared):
@@ -63,7 +53,7 @@ def _save_transposed(out, kind):
         p.ds_tensor.data.copy_(torch.arange(p.ds_tensor.numel(), dtype=p.ds_tensor.dtype) / 7
                                + dist.get_rank(p.ds_process_group) * p.ds_tensor.numel() / 7)
     report = zload.save(model, out, max_shard_size="30KB")
-    return report.gathered, _gathered_state(model)
+    return report.gathered, full_state(model)
 
 
 @pytest.mark.parametrize("kind", ["transposed_llama", "fused_transposed_llama"])

@@ -23,7 +23,7 @@ import zload
 from zload.save import parse_size
 
 from .harness import run_world
-from .zero3 import assert_bit_equal, check_against
+from .zero3 import assert_bit_equal, check_against, full_state
 
 transformers = pytest.importorskip("transformers")
 from .test_load_converted import MODELS, _build_nested_zero3
@@ -59,19 +59,6 @@ def _randomize(model, seed: int) -> None:
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
         for p in params:
             p.data.copy_(torch.randn(p.shape, generator=generator).to(p.dtype))
-
-
-def _gathered(model) -> dict[str, torch.Tensor]:
-    """Every parameter under every name (tied ones repeated) and persistent buffer, full and cloned."""
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        state = {n: p.data.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    for prefix, module in model.named_modules():
-        for local, b in module._buffers.items():
-            if b is not None and local not in module._non_persistent_buffers_set:
-                state[f"{prefix}.{local}" if prefix else local] = b.detach().clone()
-    return state
 
 
 def _read_all(folder) -> dict[str, torch.Tensor]:
@@ -127,7 +114,7 @@ def _frozen_engine_body(root):
     _randomize(model, seed=5)
     for name, p in model.named_parameters():
         p.requires_grad_(name == "lm_head.weight")
-    before = _gathered(model)
+    before = full_state(model)
     assert before["lm_head.weight"].dtype == torch.bfloat16
     engine, *_ = deepspeed.initialize(model=model, config=ENGINE_CONFIG,
                                       optimizer=torch.optim.AdamW([model.lm_head.weight], lr=1e-2))
@@ -139,7 +126,7 @@ def _frozen_engine_body(root):
     out, master = Path(root) / "out", Path(root) / "master"
     report = zload.save(engine, out)
     zload.save(engine, master, master_weights=True)
-    after = _gathered(engine.module)
+    after = full_state(engine.module)
     names = [n for n, _ in engine.module.named_parameters()]
     saved = _read_all(out)
     assert report.files == ["model.safetensors"] and sorted(saved) == sorted(names)
@@ -221,7 +208,7 @@ def _save_body(kind, root):
         bad = str(e)
     else:
         bad = None
-    gathered = _gathered(model)
+    gathered = full_state(model)
     return (gathered if dist.get_rank() == 0 else None,
             {k: (r.files, r.bytes_written, r.total_bytes) for k, r in reports.items()}, bad)
 
@@ -371,7 +358,7 @@ def _save_on_node(node_dirs, buffer_bytes):
         loaded = zload.load_into(fresh, "out")  # only rank 0 has it: the others are sent their bytes
     finally:
         os.chdir(cwd)
-    gathered = _gathered(model)
+    gathered = full_state(model)
     check_against(fresh, gathered, names=[n for n, _ in fresh.named_parameters()])
     return report.files, report.bytes_written, loaded.bytes_received
 

@@ -25,12 +25,12 @@ from .harness import run_world
 from .test_peft import (
     _build,
     _file_name,
-    _is_lora,
     _llama_config,
     _logits,
     _lora_config,
+    _lora_params,
 )
-from .zero3 import assert_bit_equal
+from .zero3 import assert_bit_equal, gathered
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -50,14 +50,8 @@ def base(tmp_path_factory):
     return {"dir": folder, "input_ids": input_ids}
 
 
-def _lora_params(model) -> dict[str, torch.nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if _is_lora(n)}
-
-
 def _gathered_lora(model) -> dict[str, torch.Tensor]:
-    lora = _lora_params(model)
-    with deepspeed.zero.GatheredParameters(list(lora.values())):
-        return {n: p.detach().clone() for n, p in lora.items()}
+    return gathered(_lora_params(model))
 
 
 def _set_lora(model, seed: int) -> None:

@@ -67,6 +67,24 @@ def check_against(model, expected: dict[str, torch.Tensor], names=None) -> int:
     return compared
 
 
+def gathered(named: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """Whole, cloned values of ``named`` parameters (ZeRO-3 or plain), through GatheredParameters."""
+    unique = list({id(p): p for p in named.values()}.values())  # tied names share one parameter
+    with deepspeed.zero.GatheredParameters(unique):
+        return {n: p.detach().clone() for n, p in named.items()}
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """Every parameter under every name (tied ones repeated) and every persistent buffer, whole
+    and cloned: what a saved checkpoint of ``model`` must hold."""
+    state = gathered(dict(model.named_parameters(remove_duplicate=False)))
+    for prefix, module in model.named_modules():
+        for local, b in module._buffers.items():
+            if b is not None and local not in module._non_persistent_buffers_set:
+                state[f"{prefix}.{local}" if prefix else local] = b.detach().clone()
+    return state
+
+
 def snapshot(model) -> dict[str, torch.Tensor]:
     """Each rank's own view of the model (partitions, plain params, buffers), to prove it is untouched."""
     state = {}
