@@ -16,7 +16,7 @@ import traceback
 DEFAULT_TIMEOUT = 240
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -53,7 +53,7 @@ class World:
         self.size = size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(size)]
-        port = _free_port()
+        port = free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, size, port, self.tasks[r], self.results),
                                   daemon=True) for r in range(size)]
         for p in self.procs:

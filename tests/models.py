@@ -90,3 +90,13 @@ def state_with_seed(factory, seed: int, dtype=torch.float32) -> dict[str, torch.
             t = t + 1000
         state[name] = t.contiguous()
     return state
+
+
+def tiny_llama_config(tie: bool = False):
+    """A Llama small enough for many multi-rank tests, with sizes that do not divide by 2, 3 or 4
+    (intermediate 19, vocabulary 53) and grouped-query attention."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=53, hidden_size=24, intermediate_size=19, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                       tie_word_embeddings=tie)

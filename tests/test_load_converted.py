@@ -14,6 +14,7 @@ import torch
 import zload
 
 from .harness import run_world
+from .models import tiny_llama_config
 from .zero3 import build_zero, check_against
 
 transformers = pytest.importorskip("transformers")
@@ -60,17 +61,11 @@ register_checkpoint_conversion_mapping(
     overwrite=True)
 
 
-def _llama_config():
-    return transformers.LlamaConfig(vocab_size=53, hidden_size=24, intermediate_size=19,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=32, tie_word_embeddings=False)
-
-
 MODELS = {
     "vision_encoder_decoder": (transformers.VisionEncoderDecoderModel, _vision_encoder_decoder_config),
     "mixtral": (transformers.MixtralForCausalLM, _mixtral_config),
-    "transposed_llama": (LlamaWithTransposedMLP, _llama_config),
-    "fused_transposed_llama": (LlamaWithFusedTransposedMLP, _llama_config),
+    "transposed_llama": (LlamaWithTransposedMLP, tiny_llama_config),
+    "fused_transposed_llama": (LlamaWithFusedTransposedMLP, tiny_llama_config),
 }
 SLOW_PATH = {
     "transposed_llama": [f"model.layers.{k}.mlp.up_proj.weight" for k in range(2)],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import zload
 
 from . import models
 from .checkpoints import save_sharded
-from .harness import run_world
+from .harness import free_port, run_world
 from .zero3 import build_zero, check_against
 
 NODE_SCRIPT = Path(__file__).with_name("node_local_rank.py")
@@ -144,17 +143,11 @@ def test_shards_split_across_nodes(tmp_path):
     assert sum(r[1] for r in results) == sum(r[2] for r in results)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_nodes(tmp_path):
     """Two torchrun agents (--nnodes 2) on this machine; only node 0 has the checkpoint."""
     _, _, reference = _checkpoint(tmp_path, seed=33)
     (tmp_path / "node1").mkdir()
-    port, out = _free_port(), tmp_path / "results"
+    port, out = free_port(), tmp_path / "results"
     out.mkdir()
     agents = []
     for node in (0, 1):

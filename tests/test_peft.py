@@ -21,20 +21,15 @@ from safetensors.torch import load_file, save_file
 import zload
 
 from .harness import run_world
+from .models import tiny_llama_config
 from .zero3 import assert_bit_equal, build_zero, check_against, gathered
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402  (before any zero.Init)
+from transformers import LlamaForCausalLM  # noqa: E402  (before any zero.Init)
 
 BASE_PREFIX = "base_model.model."
-
-
-def _llama_config():
-    return LlamaConfig(vocab_size=53, hidden_size=24, intermediate_size=19, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                       tie_word_embeddings=False)
 
 
 def _lora_config():
@@ -61,10 +56,10 @@ def _build(lora_partitioned: bool, adapter: str, seed: int, config=None):
     """A ZeRO-3 Llama wrapped by peft: LoRA built inside zero.Init (partitioned) or after (plain)."""
     torch.manual_seed(seed)
     if lora_partitioned:
-        model = build_zero(lambda: get_peft_model(LlamaForCausalLM(_llama_config()), _lora_config(),
+        model = build_zero(lambda: get_peft_model(LlamaForCausalLM(tiny_llama_config()), _lora_config(),
                                                   adapter_name=adapter), config=config)
     else:
-        model = get_peft_model(build_zero(lambda: LlamaForCausalLM(_llama_config()), config=config),
+        model = get_peft_model(build_zero(lambda: LlamaForCausalLM(tiny_llama_config()), config=config),
                                _lora_config(), adapter_name=adapter)
     assert isinstance(model, PeftModel) and model.active_adapter == adapter
     lora = [p for n, p in model.named_parameters() if _is_lora(n)]
@@ -100,10 +95,10 @@ def saved(tmp_path_factory):
     the logits of the plain (no DeepSpeed) base + adapter from peft's own ``from_pretrained``."""
     torch.manual_seed(3)
     base_dir = tmp_path_factory.mktemp("base")
-    LlamaForCausalLM(_llama_config()).save_pretrained(base_dir)
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(base_dir)
 
     torch.manual_seed(4)
-    donor = get_peft_model(LlamaForCausalLM(_llama_config()), _lora_config())
+    donor = get_peft_model(LlamaForCausalLM(tiny_llama_config()), _lora_config())
     with torch.no_grad():
         for name, p in donor.named_parameters():
             if _is_lora(name):

@@ -23,6 +23,7 @@ import zload
 from zload.save import parse_size
 
 from .harness import run_world
+from .models import tiny_llama_config
 from .zero3 import assert_bit_equal, check_against, full_state
 
 transformers = pytest.importorskip("transformers")
@@ -33,15 +34,9 @@ ENGINE_CONFIG = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
                  "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 3}}
 
 
-def _llama_config(tie=False):
-    return transformers.LlamaConfig(vocab_size=53, hidden_size=24, intermediate_size=19,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=32, tie_word_embeddings=tie)
-
-
 KINDS = {
-    "llama": (transformers.LlamaForCausalLM, _llama_config),
-    "llama_tied": (transformers.LlamaForCausalLM, lambda: _llama_config(tie=True)),
+    "llama": (transformers.LlamaForCausalLM, tiny_llama_config),
+    "llama_tied": (transformers.LlamaForCausalLM, lambda: tiny_llama_config(tie=True)),
     "vision_encoder_decoder": MODELS["vision_encoder_decoder"],
     "mixtral": MODELS["mixtral"],
 }
@@ -108,7 +103,7 @@ def _frozen_engine_body(root):
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    llama, config = transformers.LlamaForCausalLM, _llama_config()
+    llama, config = transformers.LlamaForCausalLM, tiny_llama_config()
     with deepspeed.zero.Init(config_dict_or_path=ENGINE_CONFIG):
         model = llama(config)
     _randomize(model, seed=5)

@@ -22,10 +22,10 @@ from safetensors.torch import load_file
 import zload
 
 from .harness import run_world
+from .models import tiny_llama_config
 from .test_peft import (
     _build,
     _file_name,
-    _llama_config,
     _logits,
     _lora_config,
     _lora_params,
@@ -45,7 +45,7 @@ def base(tmp_path_factory):
     """A base checkpoint (transformers' save_pretrained) and token ids for forward passes."""
     torch.manual_seed(13)
     folder = tmp_path_factory.mktemp("base")
-    LlamaForCausalLM(_llama_config()).save_pretrained(folder)
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(folder)
     input_ids = torch.randint(0, 53, (2, 7), generator=torch.Generator().manual_seed(14))
     return {"dir": folder, "input_ids": input_ids}
 
@@ -166,7 +166,7 @@ def test_modules_to_save_are_named_as_peft_names_them(tmp_path):
     torch.manual_seed(51)
     config = _lora_config()
     config.modules_to_save = ["lm_head"]
-    model = get_peft_model(LlamaForCausalLM(_llama_config()), config)
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config()), config)
     zload.save(model, tmp_path / "adapter")
     saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert sorted(saved) == sorted(get_peft_model_state_dict(model))
@@ -174,12 +174,12 @@ def test_modules_to_save_are_named_as_peft_names_them(tmp_path):
     from peft import PeftModel
 
     torch.manual_seed(52)
-    reloaded = PeftModel.from_pretrained(LlamaForCausalLM(_llama_config()), tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(LlamaForCausalLM(tiny_llama_config()), tmp_path / "adapter")
     for name, tensor in get_peft_model_state_dict(reloaded).items():
         assert torch.equal(tensor, saved[name]), name
     model.save_pretrained(tmp_path / "by_peft")
     torch.manual_seed(53)
-    fresh = get_peft_model(LlamaForCausalLM(_llama_config()), config)
+    fresh = get_peft_model(LlamaForCausalLM(tiny_llama_config()), config)
     report = zload.load_into(fresh, tmp_path / "by_peft")
     assert report.missing == [] and report.unexpected == []
     for name, tensor in get_peft_model_state_dict(fresh).items():
@@ -188,6 +188,6 @@ def test_modules_to_save_are_named_as_peft_names_them(tmp_path):
 
 def test_adapter_is_never_sharded(tmp_path):
     """peft reads a single adapter_model.safetensors, whatever max_shard_size says."""
-    model = get_peft_model(LlamaForCausalLM(_llama_config()), _lora_config())
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config()), _lora_config())
     report = zload.save(model, tmp_path / "adapter", max_shard_size=100)
     assert report.files == ["adapter_model.safetensors"]
