@@ -323,6 +323,40 @@ def test_the_calling_thread_reads_instead_of_waiting(tmp_path, monkeypatch, thre
     assert threading.active_count() == before  # the helpers are gone
 
 
+def test_a_range_reader_keeps_its_files_and_threads_across_reads(tmp_path, monkeypatch):
+    """A node-local reader serves many batches with one RangeReader: every read returns exactly
+    its ranges, files are opened once, and the helper threads are the same from read to read."""
+    import threading
+    import time
+
+    path = tmp_path / "x.safetensors"
+    data = torch.randn(3000)
+    save_file({"x": data}, str(path))
+    entry = open_checkpoint(path).tensors["x"]
+    monkeypatch.setattr(execute_module, "_RUN_BYTES", 256)  # many runs per read, for the helpers
+    monkeypatch.setattr(execute_module, "reader_count", lambda: 3)
+    opened, real_open = [], os.open
+    monkeypatch.setattr(execute_module.os, "open", lambda *a: opened.append(a[0]) or real_open(*a))
+    readers, real_read = set(), execute_module._read_run
+
+    def recorded(run):
+        readers.add(threading.current_thread())
+        time.sleep(0.001)  # long enough for the helpers to take runs too
+        return real_read(run)
+
+    monkeypatch.setattr(execute_module, "_read_run", recorded)
+    out = torch.zeros(3000)
+    view = memoryview(out.numpy()).cast("B")
+    with execute_module.RangeReader() as reader:
+        for first in range(0, 3000, 1000):  # three batches, each a third of the tensor
+            got = reader.read([(entry.file, entry.start + 4 * first, view[4 * first:4 * (first + 1000)])])
+            assert got == 4000 and torch.equal(out[:first + 1000], data[:first + 1000])
+            assert not out[first + 1000:].any()
+            helpers = {t for t in readers if t is not threading.main_thread()}
+        assert len(helpers) <= 2 and len(readers - helpers) <= 1
+    assert opened == [entry.file] and len(readers) > 1
+
+
 def test_scatter_cast_segments():
     """scatter_cast copies each staged segment to its destination slice, cast like ``.to()``,
     and leaves everything else alone."""

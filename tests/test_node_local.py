@@ -91,25 +91,25 @@ def test_a_whole_copy_on_every_node(tmp_path):
 
 def _load_while_the_reader_fails(node_dirs):
     """Rank 0 serves the others; its second batch read fails (a disk error mid-transfer)."""
-    sharing = sys.modules["zload.sharing"]
-    real, calls = sharing.read_ranges, []
+    reader = sys.modules["zload.execute"].RangeReader
+    real, calls = reader.read, []
 
-    def failing_on_the_second_batch(ranges):
+    def failing_on_the_second_batch(self, ranges):
         calls.append(1)
         if len(calls) == 2:
             raise zload.CheckpointError("model-00001.safetensors: read failed at byte 4096: Input/output error")
-        return real(ranges)
+        return real(self, ranges)
 
     model = build_zero(models.Awkward)
     cwd = os.getcwd()
-    sharing.read_ranges = failing_on_the_second_batch
+    reader.read = failing_on_the_second_batch
     try:
         os.chdir(node_dirs[dist.get_rank()])
         zload.load_into(model, "ckpt", staging_bytes=256)
     except zload.ZloadError as e:
         return type(e).__name__, str(e)
     finally:
-        sharing.read_ranges = real
+        reader.read = real
         os.chdir(cwd)
     return None
 

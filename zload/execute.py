@@ -296,17 +296,31 @@ def execute(items: list[ReadItem], destinations: list[torch.Tensor],
     return total
 
 
-def read_ranges(ranges) -> int:
-    """Read each ``(file, offset, writable memoryview)`` completely; returns bytes read."""
-    reader = _Reader([], 0, 0)
-    try:
+class RangeReader:
+    """Reads byte ranges into given buffers, keeping its open files and reader threads from one
+    ``read`` to the next (a node-local reader serves many batches). After a failed ``read`` only
+    ``close`` is left to call."""
+
+    def __init__(self):
+        self._reader = _Reader([], 0, 0)
+
+    def read(self, ranges) -> int:
+        """Read each ``(file, offset, writable memoryview)`` completely; returns bytes read."""
+        before = self._reader.bytes_read
         for file, offset, view in ranges:
             if len(view):
-                reader._queue(file, offset, view)
-        reader.drain()
-    finally:
-        reader.close()
-    return reader.bytes_read
+                self._reader._queue(file, offset, view)
+        self._reader.drain()
+        return self._reader.bytes_read - before
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def read_tensor(entry) -> torch.Tensor:
@@ -314,5 +328,6 @@ def read_tensor(entry) -> torch.Tensor:
     from .index import DTYPES
 
     out = torch.empty(entry.nbytes, dtype=torch.uint8)
-    read_ranges([(entry.file, entry.start, _byte_view(out))])
+    with RangeReader() as reader:
+        reader.read([(entry.file, entry.start, _byte_view(out))])
     return out.view(getattr(torch, DTYPES[entry.dtype][0])).reshape(entry.shape)

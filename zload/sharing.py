@@ -22,9 +22,9 @@ from .errors import CheckpointError, ZloadError
 from .execute import (
     _ALIGN,
     DEFAULT_STAGING_BYTES,
+    RangeReader,
     StagingLayout,
     _byte_view,
-    read_ranges,
 )
 from .index import CheckpointIndex, TensorEntry, open_checkpoint
 from .kernels import Segment, scatter_cast
@@ -200,20 +200,22 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     problems: list[tuple[str, str]] = []
     capacity = max(_ALIGN * 2, staging_bytes // 2)
     outboxes = inboxes = None  # allocated once, when first needed; fresh ones would page-fault
-    for requester in range(world):
-        for server in sorted({w[0] for w in everyone[requester]}):
-            if rank == server:
-                mine = [ReadItem(os.path.join(shared.root, k), offset, nbytes, dtype, 0, 0, numel)
-                        for s, k, offset, nbytes, numel, dtype in everyone[requester] if s == server]
-                outboxes = outboxes or [torch.empty(capacity + 1, dtype=torch.uint8) for _ in range(2)]
-                got, out, problems = _serve(_batches(mine, capacity), requester, outboxes, problems)
-                read, sent = read + got, sent + out
-            elif rank == requester:
-                mine = [i for s, i in requests if s == server]
-                inboxes = inboxes or [torch.empty(capacity + 1, dtype=torch.uint8, device=comm_device())
-                                      for _ in range(2)]
-                got, problems = _receive(_batches(mine, capacity), server, inboxes, dests, problems)
-                received += got
+    with RangeReader() as reader:  # its files and threads serve every batch this rank reads
+        for requester in range(world):
+            for server in sorted({w[0] for w in everyone[requester]}):
+                if rank == server:
+                    mine = [ReadItem(os.path.join(shared.root, k), offset, nbytes, dtype, 0, 0, numel)
+                            for s, k, offset, nbytes, numel, dtype in everyone[requester] if s == server]
+                    outboxes = outboxes or [torch.empty(capacity + 1, dtype=torch.uint8) for _ in range(2)]
+                    got, out, problems = _serve(_batches(mine, capacity), requester, outboxes, reader,
+                                                problems)
+                    read, sent = read + got, sent + out
+                elif rank == requester:
+                    mine = [i for s, i in requests if s == server]
+                    inboxes = inboxes or [torch.empty(capacity + 1, dtype=torch.uint8, device=comm_device())
+                                          for _ in range(2)]
+                    got, problems = _receive(_batches(mine, capacity), server, inboxes, dests, problems)
+                    received += got
     return read, sent, received, problems
 
 
@@ -221,7 +223,8 @@ def _used(batch: list[tuple[int, ReadItem]]) -> int:
     return batch[-1][0] + batch[-1][1].nbytes
 
 
-def _serve(batches, requester: int, outboxes: list[torch.Tensor], problems: list) -> tuple[int, int, list]:
+def _serve(batches, requester: int, outboxes: list[torch.Tensor], reader: RangeReader,
+           problems: list) -> tuple[int, int, list]:
     """Read and send each batch to ``requester``; returns (bytes read, bytes sent, problems).
 
     Batch k goes through ``outboxes[k % 2]``, whose send from batch k - 2 was waited for before
@@ -235,7 +238,7 @@ def _serve(batches, requester: int, outboxes: list[torch.Tensor], problems: list
         if not problems:
             view = _byte_view(message)
             ranges = [(part.file, part.offset, view[start:start + part.nbytes]) for start, part in batch]
-            got, problems = problems_of(f"reading for rank {requester}", partial(read_ranges, ranges))
+            got, problems = problems_of(f"reading for rank {requester}", partial(reader.read, ranges))
             read += got or 0
         message[used] = _FAILED if problems else _OK
         if in_flight is not None:
