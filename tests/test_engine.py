@@ -27,12 +27,15 @@ class MLP(nn.Module):
         return self.down(torch.relu(self.norm(self.up(x))))
 
 
-def _config(stage: int, hpz: int) -> dict:
+def _config(stage: int, hpz: int, offload: bool = False) -> dict:
     zero = {"stage": stage}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=100, zero_hpz_partition_size=hpz)
+    if offload:
+        zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-            "zero_allow_untested_optimizer": True, "zero_optimization": zero}
+            "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+            "zero_optimization": zero}
 
 
 def _step(engine, x):
@@ -42,14 +45,16 @@ def _step(engine, x):
     return loss.item()
 
 
-def _engine_rank_body(path, stage, hpz):
-    config = _config(stage, hpz)
+def _engine_rank_body(path, stage, hpz, offload=False):
+    config = _config(stage, hpz, offload)
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config, enabled=stage == 3):
         model = MLP()
     model.up.requires_grad_(False)  # frozen: its hpZ secondary copy is never refreshed by the optimizer
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    assert bool(engine.zero_offload_optimizer()) == bool(engine.zero_offload_param()) == offload, (
+        engine.zero_offload_optimizer(), engine.zero_offload_param())
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     _step(engine, x)  # a live engine: persistent params gathered, fp32 masters in use
 
@@ -75,10 +80,12 @@ def _engine_rank_body(path, stage, hpz):
     return dist.get_rank()
 
 
-@pytest.mark.parametrize("world,stage,hpz", [(1, 3, 1), (2, 3, 1), (3, 3, 1), (4, 3, 2), (2, 2, 1)])
-def test_live_engine_load_survives_a_step(tmp_path, world, stage, hpz):
-    """ZeRO-3 (hpZ in the last case), and a ZeRO-2 engine whose bf16 masters need refreshing too."""
+@pytest.mark.parametrize("world,stage,hpz,offload", [(1, 3, 1, False), (2, 3, 1, False), (3, 3, 1, False),
+                                                    (4, 3, 2, False), (2, 2, 1, False), (3, 3, 1, True)])
+def test_live_engine_load_survives_a_step(tmp_path, world, stage, hpz, offload):
+    """ZeRO-3 (hpZ in one case), a ZeRO-2 engine whose bf16 masters need refreshing too, and
+    ZeRO-3 with its parameters and optimizer offloaded to host memory (the masters live there)."""
     state = models.state_with_seed(MLP, seed=7)
     path = tmp_path / "model.safetensors"
     save_file(state, str(path))
-    assert run_world(world, _engine_rank_body, path, stage, hpz) == list(range(world))
+    assert run_world(world, _engine_rank_body, path, stage, hpz, offload) == list(range(world))
