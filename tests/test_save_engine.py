@@ -99,20 +99,25 @@ def _check_layout(folder, max_bytes: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # A + D (master weights): a bf16 engine with only lm_head trainable, after one real step
 
-def _frozen_engine_body(root):
+def _frozen_engine_body(root, offload):
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
+    ds_config = ENGINE_CONFIG
+    if offload:  # parameters and optimizer (with its fp32 masters) in host memory
+        ds_config = {**ENGINE_CONFIG, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
+            "stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
     llama, config = transformers.LlamaForCausalLM, tiny_llama_config()
-    with deepspeed.zero.Init(config_dict_or_path=ENGINE_CONFIG):
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = llama(config)
     _randomize(model, seed=5)
     for name, p in model.named_parameters():
         p.requires_grad_(name == "lm_head.weight")
     before = full_state(model)
     assert before["lm_head.weight"].dtype == torch.bfloat16
-    engine, *_ = deepspeed.initialize(model=model, config=ENGINE_CONFIG,
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config,
                                       optimizer=torch.optim.AdamW([model.lm_head.weight], lr=1e-2))
+    assert bool(engine.zero_offload_optimizer()) == bool(engine.zero_offload_param()) == offload
     ids = torch.randint(0, 53, (2, 8), generator=torch.Generator().manual_seed(3))
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
@@ -144,9 +149,9 @@ def _frozen_engine_body(root):
     return len(saved)
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_frozen_params_and_master_weights_from_bf16_engine(tmp_path, world):
-    assert run_world(world, _frozen_engine_body, str(tmp_path)) == [21] * world
+@pytest.mark.parametrize("world,offload", [(1, False), (3, False), (3, True)])
+def test_frozen_params_and_master_weights_from_bf16_engine(tmp_path, world, offload):
+    assert run_world(world, _frozen_engine_body, str(tmp_path), offload) == [21] * world
 
 
 def _transposed_master_body(root):
