@@ -123,7 +123,8 @@ def test_converted_checkpoint_bit_exact(saved, kind, world, dtype):
     results = run_world(world, _load_and_compare, kind, saved[kind], dtype)
     for compared, missing, unexpected, slow_path, tied in results:
         assert compared > 10 and missing == [] and unexpected == [] and tied
-        # renames, stacking and concatenation stay partition-aware
+        # only conversions that are no byte layout take the slow path; renames, stacking and
+        # concatenation stay partition-aware
         assert slow_path == SLOW_PATH.get(kind, [])
 
 
