@@ -16,9 +16,22 @@ from safetensors.torch import load_file
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
 
+def dtype_config(dtype, config=None) -> dict:
+    """``config`` (default ``DS_CONFIG``) whose fp16/bf16 sections ask zero.Init for ``dtype``.
+
+    zero.Init's ``dtype=`` argument is ignored on CPUs without oneDNN fp16 (DeepSpeed 0.19.8
+    ``_set_dtype`` then picks bf16 whatever was asked); a config without ``dtype=`` is honoured
+    everywhere.
+    """
+    config = dict(config or DS_CONFIG)
+    config["bf16"] = {"enabled": dtype == torch.bfloat16}
+    config["fp16"] = {"enabled": dtype == torch.float16}
+    return config
+
+
 def build_zero(factory, dtype=torch.float32, config=None):
     """``factory()`` under zero.Init; partitions pre-filled with a sentinel so stale bytes show."""
-    with deepspeed.zero.Init(config_dict_or_path=config or DS_CONFIG, dtype=dtype):
+    with deepspeed.zero.Init(config_dict_or_path=dtype_config(dtype, config)):
         model = factory()
     for p in model.parameters():
         if hasattr(p, "ds_tensor"):
