@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from pathlib import Path
 
 import torch
@@ -23,3 +25,16 @@ def save_sharded(state: dict[str, torch.Tensor], folder: Path, shards: int) -> P
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return folder
+
+
+def metadata_with_digest(path) -> dict[str, str]:
+    """The header's __metadata__ of a file zload.save wrote, after checking the data digest it
+    records against the file's bytes (computed here independently of zload: the SHA-256 of the
+    concatenated SHA-256s of the data area's 16 MiB blocks)."""
+    raw = Path(path).read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    metadata = json.loads(raw[8:8 + length])["__metadata__"]
+    data, block = raw[8 + length:], 16 << 20
+    blocks = b"".join(hashlib.sha256(data[i:i + block]).digest() for i in range(0, len(data), block))
+    assert metadata.pop("zload_data_digest") == "sha256/16MiB:" + hashlib.sha256(blocks).hexdigest(), path
+    return metadata

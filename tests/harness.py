@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 
 DEFAULT_TIMEOUT = 240
@@ -95,6 +96,33 @@ class World:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def run_world_where_ranks_die(size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+    """``fn`` once in a fresh world of ``size`` processes in which some rank ends its process on
+    purpose (``os._exit``); returns each rank's ``(ok, value or traceback)``, or None for a rank
+    that died without reporting. The world is closed afterwards (its process group is broken)."""
+    world = World(size)
+    try:
+        for q in world.tasks:
+            q.put((fn, args, kwargs))
+        got, deadline = {}, time.monotonic() + timeout
+        while len(got) < size:
+            try:
+                rank, ok, value = world.results.get(timeout=0.5)
+                got[rank] = (ok, value)
+                continue
+            except queue.Empty:
+                pass
+            if all(not world.procs[r].is_alive() for r in range(size) if r not in got):
+                break  # whoever has not reported is dead, and its queue is drained
+            if time.monotonic() > deadline:
+                waiting = sorted(set(range(size)) - set(got))
+                raise WorldError(f"{fn.__name__}: ranks {waiting} neither finished nor died within "
+                                 f"{timeout} s (hang?)")
+        return [got.get(r) for r in range(size)]
+    finally:
+        world.close()
 
 
 _worlds: dict[int, World] = {}

@@ -6,23 +6,23 @@ rank CRASH_RANK a point of the save, CRASH_AT, is patched to kill the process th
 CRASH_AT=raise, to make a write fail with an OSError. Every rank that returns writes
 RESULTS/rank<r>.json; the killed rank leaves RESULTS/killed-rank<r> just before it dies.
 
-CRASH_AT (the names are those of ``zload/save.py``):
+CRASH_AT (the names are those of ``zload/save.py`` and ``zload/savedir.py``):
   plan      after ``plan_writes`` (this rank planned, nothing created yet)
-  create    after ``_create_files`` (rank 0: the temporary folder and empty shards exist)
+  create    after ``_create_files`` (rank 0: the staging folder and its empty shards exist)
   write     after the first ``_pwrite_all`` (one chunk of this rank's partitions written)
   send      after the first ``torch.distributed.send`` (streaming to rank 0, SHARED=0)
-  metadata  before ``_write_metadata`` (rank 0: all ranks agreed the writes succeeded)
-  swap      before ``_swap_into_place`` (rank 0: metadata written, folder fsynced)
-  swapped   right after the new folder took the place of OUT (rank 0, before the old one is
-            removed or the parent folder fsynced)
+  publish   before ``_publish`` (rank 0: every file written and its digest recorded)
+  moved     after the first ``SaveFolder._move_in`` (rank 0: the new shards are in OUT, unlisted)
+  committed after ``SaveFolder._commit`` (rank 0: the new index has replaced the old one)
+  finish    before ``SaveFolder.finish`` (rank 0: stale files removed, staging folder still there)
   raise     ``_pwrite_all`` raises OSError(EIO) (a failure, not a kill)
   raise-create  ``_create_files`` raises OSError(ENOSPC) after creating the first file (rank 0)
+  raise-commit  ``SaveFolder._commit`` raises OSError(EACCES) (rank 0, the new shards moved in)
 """
 
 import errno
 import json
 import os
-import shutil
 import sys
 import traceback
 
@@ -61,40 +61,37 @@ def _wrap(owner, name: str, before=None, after=None) -> None:
     setattr(owner, name, wrapper)
 
 
-def install_crash(point: str, out: str) -> None:
+def _fail(error: int, message: str):
+    def fail(*args, **kwargs):
+        raise OSError(error, message)
+    return fail
+
+
+def _owner(where: str):
+    """``"zload.savedir:SaveFolder"`` -> that class; ``"zload.save"`` -> that module."""
+    module, _, name = where.partition(":")
+    owner = sys.modules[module] if module != "dist" else dist
+    return getattr(owner, name) if name else owner
+
+
+def install_crash(point: str) -> None:
     die = lambda *a, **k: _die()  # noqa: E731
-    simple = {  # kill point -> (module, function, die before or after it runs)
-        "plan": (save_module, "plan_writes", "after"), "create": (save_module, "_create_files", "after"),
-        "write": (save_module, "_pwrite_all", "after"), "send": (dist, "send", "after"),
-        "metadata": (save_module, "_write_metadata", "before"),
-        "swap": (save_module, "_swap_into_place", "before"),
+    folder = "zload.savedir:SaveFolder"
+    points = {  # kill point -> (owner, function, wrapper's before / after)
+        "plan": ("zload.save", "plan_writes", {"after": die}),
+        "create": ("zload.save", "_create_files", {"after": die}),
+        "write": ("zload.save", "_pwrite_all", {"after": die}),
+        "send": ("dist", "send", {"after": die}),
+        "publish": ("zload.save", "_publish", {"before": die}),
+        "moved": (folder, "_move_in", {"after": die}),
+        "committed": (folder, "_commit", {"after": die}),
+        "finish": (folder, "finish", {"before": die}),
+        "raise": ("zload.save", "_pwrite_all", {"before": _fail(errno.EIO, "injected write failure")}),
+        "raise-commit": (folder, "_commit", {"before": _fail(errno.EACCES, "injected: permission denied")}),
     }
-    if point in simple:
-        owner, name, when = simple[point]
-        _wrap(owner, name, **{when: die})
-    elif point == "swapped":
-        parent = os.path.dirname(os.path.abspath(out))
-
-        def parent_synced(folder):  # the last step of a swap, new OUT in place
-            if os.path.abspath(folder) == parent:
-                _die()
-
-        _wrap(save_module, "_fsync_dir", before=parent_synced)
-        # with an old OUT, the old folder (now at the temporary name) is removed first
-        class DyingRmtree:  # zload.save's own ``shutil``, whose rmtree dies first
-            def __getattr__(self, name):
-                return getattr(shutil, name)
-
-            @staticmethod
-            def rmtree(*args, **kwargs):
-                _die()
-
-        save_module.shutil = DyingRmtree()
-    elif point == "raise":
-        def fail(*args, **kwargs):
-            raise OSError(errno.EIO, "injected write failure")
-
-        _wrap(save_module, "_pwrite_all", before=fail)
+    if point in points:
+        owner, name, when = points[point]
+        _wrap(_owner(owner), name, **when)
     elif point == "raise-create":
         original = save_module._create_files
 
@@ -112,7 +109,7 @@ def main() -> None:
     rank = dist.get_rank()
     out = os.environ["OUT"]
     if os.environ.get("CRASH_AT") and int(os.environ["CRASH_RANK"]) == rank:
-        install_crash(os.environ["CRASH_AT"], out)
+        install_crash(os.environ["CRASH_AT"])
     shared = {"1": True, "0": False}.get(os.environ.get("SHARED", ""))
     result = {"rank": rank, "ok": False}
     rc = 0

@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import zload
+
 from zload.cli import main
 
 from .checkpoints import save_sharded
@@ -215,3 +217,23 @@ def test_python_dash_m_exit_codes(sharded, tmp_path):
     assert "Traceback" not in missing.stderr
     corrupt_shard(sharded)
     assert zload("validate", sharded).returncode == 1
+
+
+def test_validate_full_checks_the_digests_zload_save_recorded(tmp_path, capsys):
+    from zload.cli import main
+
+    model = torch.nn.Linear(300, 200)
+    zload.save(model, tmp_path / "ckpt", max_shard_size=100_000)
+    save_file({"x": torch.ones(3)}, str(tmp_path / "plain.safetensors"))
+    assert main(["validate", "--full", str(tmp_path / "ckpt")]) == 0
+    assert "data: 2 files matched the digest zload.save recorded" in capsys.readouterr().out
+    assert main(["validate", "--full", str(tmp_path / "plain.safetensors")]) == 0
+    assert "1 file recorded none (not checked)" in capsys.readouterr().out
+    shard = sorted((tmp_path / "ckpt").glob("model-*.safetensors"))[1]
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0x10
+    shard.write_bytes(raw)
+    assert main(["validate", str(tmp_path / "ckpt")]) == 0  # the headers alone are fine
+    capsys.readouterr()
+    assert main(["validate", "--full", str(tmp_path / "ckpt")]) == 1
+    assert f"{shard}: its data do not match the digest recorded" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 import zload.execute as execute_module
 from zload import CheckpointError, open_checkpoint
 from zload.execute import DEFAULT_STAGING_BYTES, execute
+from zload.files import FileTable, open_regular
 from zload.index import DTYPES
 from zload.kernels import Segment, scatter_cast
 from zload.plan import ReadItem
@@ -85,14 +86,16 @@ def source_tensors(seed: int, n: int = 1531) -> dict[str, torch.Tensor]:
 def checkpoint(tmp_path_factory):
     """Two files of random tensors; returns (index, {name: tensor}) merged over both files."""
     folder = tmp_path_factory.mktemp("execute")
-    tensors, entries = {}, {}
+    tensors, entries, files = {}, {}, FileTable()
     for seed, prefix in ((0, "a."), (10, "b.")):
         part = {prefix + k: v for k, v in source_tensors(seed).items()}
         path = folder / f"{prefix}safetensors"
         save_file(part, str(path))
         tensors.update(part)
         entries.update(open_checkpoint(path).tensors)
-    return entries, tensors
+        files.add(open_regular(str(path)))
+    with files:
+        yield entries, tensors, files
 
 
 def item_for(entry, target: int, first: int, count: int, dst_offset: int) -> ReadItem:
@@ -167,11 +170,11 @@ A_NAMES = ["a.f32", "a.f16", "a.bf16", "a.i64"]
 def test_mixed_dtypes_match_torch_cast(checkpoint, monkeypatch, staging, seed):
     """Random odd ranges of every source dtype into f32/f16/bf16 destinations at odd offsets:
     bit-exact against ``.to()``, untouched elsewhere, whatever the staging size."""
-    entries, tensors = checkpoint
+    entries, tensors, files = checkpoint
     items, destinations, expected, any_nan = random_plan(entries, tensors, A_NAMES, DST_DTYPES,
                                                          seed)
     spy = ScatterSpy(monkeypatch)
-    got = execute(items, destinations, staging_bytes=staging)
+    got = execute(files, items, destinations, staging_bytes=staging)
     assert got == sum(i.nbytes for i in items)
     for actual, want, loose in zip(destinations, expected, any_nan):
         assert_bits_equal(actual, want, loose)
@@ -185,14 +188,14 @@ def test_mixed_dtypes_match_torch_cast(checkpoint, monkeypatch, staging, seed):
 
 def test_two_files_interleaved(checkpoint, monkeypatch):
     """Items alternating between two files (and between staged and direct reads) land right."""
-    entries, tensors = checkpoint
+    entries, tensors, files = checkpoint
     names = A_NAMES + [n.replace("a.", "b.") for n in A_NAMES]
     items, destinations, expected, any_nan = random_plan(entries, tensors, names, DST_DTYPES,
                                                          seed=5)
     assert {i.file for i in items} == {entries["a.f32"].file, entries["b.f32"].file}
     for staging in (100, DEFAULT_STAGING_BYTES):
         dsts = [d.clone() for d in destinations]
-        assert execute(items, dsts, staging_bytes=staging) == sum(i.nbytes for i in items)
+        assert execute(files, items, dsts, staging_bytes=staging) == sum(i.nbytes for i in items)
         for actual, want, loose in zip(dsts, expected, any_nan):
             assert_bits_equal(actual, want, loose)
 
@@ -200,11 +203,11 @@ def test_two_files_interleaved(checkpoint, monkeypatch):
 @pytest.mark.parametrize("staging", [64, DEFAULT_STAGING_BYTES])
 def test_direct_reads_bypass_staging(checkpoint, monkeypatch, staging):
     """Same dtype into a CPU destination is read straight into it: no scatter_cast at all."""
-    entries, tensors = checkpoint
+    entries, tensors, files = checkpoint
     names = [["a.f32", "b.f32"], ["a.f16", "b.f16"], ["a.bf16", "b.bf16"]]
     items, destinations, expected, _ = random_plan(entries, tensors, names, DST_DTYPES, seed=7)
     spy = ScatterSpy(monkeypatch)
-    assert execute(items, destinations, staging) == sum(i.nbytes for i in items)
+    assert execute(files, items, destinations, staging) == sum(i.nbytes for i in items)
     assert spy.calls == 0
     for actual, want in zip(destinations, expected):
         assert_bits_equal(actual, want)
@@ -213,14 +216,14 @@ def test_direct_reads_bypass_staging(checkpoint, monkeypatch, staging):
 def test_whole_tensors_and_adjacent_ranges(checkpoint):
     """Whole tensors, and one tensor split into file-adjacent pieces (merged into one read),
     reassemble exactly, staged and direct."""
-    entries, tensors = checkpoint
+    entries, tensors, files = checkpoint
     src = tensors["a.bf16"]
     n = src.numel()
     cuts = [0, 1, 2, 9, 200, 777, n]
     destinations = [torch.full((n,), -1.0, dtype=d) for d in DST_DTYPES]
     items = [item_for(entries["a.bf16"], t, a, b - a, a)
              for t in range(3) for a, b in zip(cuts, cuts[1:])]
-    assert execute(items, destinations, staging_bytes=128) == 3 * src.numel() * 2
+    assert execute(files, items, destinations, staging_bytes=128) == 3 * src.numel() * 2
     for actual in destinations:
         assert_bits_equal(actual, src.to(actual.dtype))
 
@@ -231,23 +234,47 @@ def test_file_truncated_after_indexing(tmp_path, direct):
     not silently short destinations."""
     path = tmp_path / "shrinks.safetensors"
     save_file({"x": torch.randn(1000), "y": torch.randn(1000)}, str(path))
-    entries = open_checkpoint(path).tensors
+    index = open_checkpoint(path)
     os.truncate(path, path.stat().st_size - 10)
     dst = torch.zeros(2000, dtype=torch.float32 if direct else torch.bfloat16)
-    items = [item_for(entries[n], 0, 0, 1000, k * 1000) for k, n in enumerate("xy")]
+    items = [item_for(index.tensors[n], 0, 0, 1000, k * 1000) for k, n in enumerate("xy")]
     with pytest.raises(CheckpointError) as err:
-        execute(items, [dst], staging_bytes=4096)
+        execute(index.opened, items, [dst], staging_bytes=4096)
     assert str(path) in str(err.value)
 
 
-def test_file_removed_after_indexing(tmp_path):
-    """A file that disappears after indexing is a CheckpointError naming it."""
-    path = tmp_path / "gone.safetensors"
-    save_file({"x": torch.randn(10)}, str(path))
-    entry = open_checkpoint(path).tensors["x"]
-    path.unlink()
-    with pytest.raises(CheckpointError) as err:
-        execute([item_for(entry, 0, 0, 10, 0)], [torch.zeros(10)])
+@pytest.mark.parametrize("how", ["removed", "renamed_over"])
+def test_what_is_read_is_what_was_validated(tmp_path, how):
+    """A file removed or replaced by another (a concurrent save renaming its shards into place)
+    after its header was read: the bytes still come from the file whose header was validated."""
+    path = tmp_path / "x.safetensors"
+    data = torch.randn(10)
+    save_file({"x": data}, str(path))
+    index = open_checkpoint(path)
+    if how == "removed":
+        path.unlink()
+    else:
+        save_file({"x": torch.zeros(10)}, str(tmp_path / "other.safetensors"))
+        os.replace(tmp_path / "other.safetensors", path)
+    out = torch.full((10,), 7.0)
+    assert execute(index.opened, [item_for(index.tensors["x"], 0, 0, 10, 0)], [out]) == 40
+    assert torch.equal(out, data)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_a_file_changed_in_place_after_indexing_is_refused(tmp_path, direct):
+    """Same size, other values, written into the same file: its modification time gives it away."""
+    path = tmp_path / "x.safetensors"
+    save_file({"x": torch.randn(1000)}, str(path))
+    index = open_checkpoint(path)
+    other = tmp_path / "other.safetensors"
+    save_file({"x": torch.zeros(1000)}, str(other))
+    with open(path, "r+b") as f:
+        f.write(other.read_bytes())
+    os.utime(path, ns=(0, path.stat().st_mtime_ns + 1))  # whatever the filesystem's granularity
+    dst = torch.zeros(1000, dtype=torch.float32 if direct else torch.bfloat16)
+    with pytest.raises(CheckpointError, match="changed while it was being read") as err:
+        execute(index.opened, [item_for(index.tensors["x"], 0, 0, 1000, 0)], [dst], staging_bytes=4096)
     assert str(path) in str(err.value)
 
 
@@ -257,7 +284,8 @@ def test_a_failed_read_stops_the_other_reader_threads(tmp_path, monkeypatch):
 
     path = tmp_path / "x.safetensors"
     save_file({"x": torch.randn(1000)}, str(path))
-    entry = open_checkpoint(path).tensors["x"]
+    index = open_checkpoint(path)
+    entry = index.tensors["x"]
     monkeypatch.setattr(execute_module, "_RUN_BYTES", 64)  # 4000 bytes: 63 runs
     calls = []
 
@@ -270,7 +298,7 @@ def test_a_failed_read_stops_the_other_reader_threads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(execute_module, "_read_run", first_read_fails)
     with pytest.raises(CheckpointError, match="the first read fails"):
-        execute([item_for(entry, 0, 0, 1000, 0)], [torch.zeros(1000)], threads=2)
+        execute(index.opened, [item_for(entry, 0, 0, 1000, 0)], [torch.zeros(1000)], threads=2)
     assert len(calls) <= 3
 
 
@@ -304,7 +332,8 @@ def test_the_calling_thread_reads_instead_of_waiting(tmp_path, monkeypatch, thre
     path = tmp_path / "x.safetensors"
     data = torch.randn(1000)
     save_file({"x": data}, str(path))
-    entry = open_checkpoint(path).tensors["x"]
+    index = open_checkpoint(path)
+    entry = index.tensors["x"]
     monkeypatch.setattr(execute_module, "_RUN_BYTES", 128)  # 4000 bytes: 32 runs
     readers, real_read = [], execute_module._read_run
 
@@ -316,7 +345,7 @@ def test_the_calling_thread_reads_instead_of_waiting(tmp_path, monkeypatch, thre
     monkeypatch.setattr(execute_module, "_read_run", recorded)
     before = threading.active_count()
     out = torch.zeros(1000)
-    assert execute([item_for(entry, 0, 0, 1000, 0)], [out], threads=threads) == 4000
+    assert execute(index.opened, [item_for(entry, 0, 0, 1000, 0)], [out], threads=threads) == 4000
     assert torch.equal(out, data) and len(readers) == 32
     assert threading.main_thread() in readers
     assert (len(set(readers)) == 1) if threads == 1 else (1 < len(set(readers)) <= threads)
@@ -325,18 +354,19 @@ def test_the_calling_thread_reads_instead_of_waiting(tmp_path, monkeypatch, thre
 
 def test_a_range_reader_keeps_its_files_and_threads_across_reads(tmp_path, monkeypatch):
     """A node-local reader serves many batches with one RangeReader: every read returns exactly
-    its ranges, files are opened once, and the helper threads are the same from read to read."""
+    its ranges, no file is opened again, and the helper threads are the same from read to read."""
     import threading
     import time
 
     path = tmp_path / "x.safetensors"
     data = torch.randn(3000)
     save_file({"x": data}, str(path))
-    entry = open_checkpoint(path).tensors["x"]
+    index = open_checkpoint(path)
+    entry = index.tensors["x"]
     monkeypatch.setattr(execute_module, "_RUN_BYTES", 256)  # many runs per read, for the helpers
     monkeypatch.setattr(execute_module, "reader_count", lambda: 3)
     opened, real_open = [], os.open
-    monkeypatch.setattr(execute_module.os, "open", lambda *a: opened.append(a[0]) or real_open(*a))
+    monkeypatch.setattr(os, "open", lambda *a: opened.append(a[0]) or real_open(*a))
     readers, real_read = set(), execute_module._read_run
 
     def recorded(run):
@@ -347,14 +377,14 @@ def test_a_range_reader_keeps_its_files_and_threads_across_reads(tmp_path, monke
     monkeypatch.setattr(execute_module, "_read_run", recorded)
     out = torch.zeros(3000)
     view = memoryview(out.numpy()).cast("B")
-    with execute_module.RangeReader() as reader:
+    with execute_module.RangeReader(index.opened) as reader:
         for first in range(0, 3000, 1000):  # three batches, each a third of the tensor
             got = reader.read([(entry.file, entry.start + 4 * first, view[4 * first:4 * (first + 1000)])])
             assert got == 4000 and torch.equal(out[:first + 1000], data[:first + 1000])
             assert not out[first + 1000:].any()
             helpers = {t for t in readers if t is not threading.main_thread()}
         assert len(helpers) <= 2 and len(readers - helpers) <= 1
-    assert opened == [entry.file] and len(readers) > 1
+    assert opened == [] and len(readers) > 1  # read through the descriptor the index opened
 
 
 def test_scatter_cast_segments():

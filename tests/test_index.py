@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import zload
 from zload import CheckpointError, open_checkpoint
 from zload.index import DTYPES, MAX_HEADER_BYTES, read_header
 
@@ -116,14 +117,24 @@ def test_sharded_checkpoint(tmp_path, via):
     tensors = random_tensors(3, NAMES)
     save_sharded(tensors, tmp_path, shards=3)
     weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
-    # A stray single file next to the index must not be preferred over the index.
-    save_file({"stray": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     index = open_checkpoint(tmp_path if via == "directory"
                             else tmp_path / "model.safetensors.index.json")
     assert sorted(index.files) == sorted(str(tmp_path / s) for s in set(weight_map.values()))
     for name, entry in index.tensors.items():
         assert entry.file == str(tmp_path / weight_map[name])
     assert_index_matches_files(index, tensors)
+
+
+def test_a_single_file_beside_an_index_is_what_from_pretrained_loads(tmp_path):
+    """transformers looks for model.safetensors before the index; zload does the same, and says
+    so (zload.save's commit relies on both readers making the same choice)."""
+    save_sharded(random_tensors(3, NAMES), tmp_path, shards=3)
+    single = {"stray": torch.zeros(2)}
+    save_file(single, str(tmp_path / "model.safetensors"))
+    with pytest.warns(zload.ZloadWarning, match="both model.safetensors and"):
+        index = open_checkpoint(tmp_path)
+    assert index.files == (str(tmp_path / "model.safetensors"),)
+    assert_index_matches_files(index, single)
 
 
 def test_zero_size_and_scalar_tensors(tmp_path):

@@ -72,8 +72,9 @@ def test_save_gathers_only_tensors_whose_conversion_is_no_layout(tmp_path, kind)
 
 
 def test_leftovers_of_a_killed_save_are_named_and_kept(tmp_path):
-    """A save names the temporary folders an earlier, killed save left next to its path (one could
-    belong to a save still running elsewhere, so they are not deleted) and saves as usual."""
+    """A save names the temporary folders that killed saves of zload before 0.2 left next to its
+    path (those took no lock: one could belong to a save still running, so they are not deleted)
+    and saves as usual."""
     out = tmp_path / "out"
     leftover = tmp_path / "out.zload-tmp-0123456789abcdef"
     leftover.mkdir()
@@ -86,3 +87,92 @@ def test_leftovers_of_a_killed_save_are_named_and_kept(tmp_path):
     assert warning.filename == __file__  # points at the caller's save() line
     assert leftover.is_dir() and torch.equal(load_file(str(out / "model.safetensors"))["weight"],
                                              model.weight.detach())
+
+
+def _save_into(folder, target, state_file):
+    """Every rank saves a ZeRO-3 model to ``target`` with ``folder`` as its working directory;
+    returns (error type, message) or None when the save succeeded."""
+    import os
+
+    model = build_zero(models.Awkward)
+    zload.load_into(model, state_file)
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        zload.save(model, target)
+    except zload.ZloadError as e:
+        return type(e).__name__, str(e)
+    finally:
+        os.chdir(cwd)
+    return None
+
+
+def _project(folder):
+    """A folder as a user's working directory looks: source files, a subfolder, a dotfile."""
+    files = {"train.py": b"print('train')\n", "src/model.py": b"class M: ...\n", ".gitignore": b"*.pt\n",
+             "trainer_state.json": b"{}"}
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    return files
+
+
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_saving_into_the_working_directory_keeps_everything_else(tmp_path):
+    """zload.save(model, "."): the working directory gains the checkpoint and loses nothing."""
+    state = models.state_with_seed(models.Awkward, seed=42)
+    save_file(state, str(tmp_path / "in.safetensors"))
+    work = tmp_path / "work"
+    work.mkdir()
+    files = _project(work)
+    assert run_world(2, _save_into, str(work), ".", str(tmp_path / "in.safetensors")) == [None, None]
+    assert _files(work) == dict(files, **{"model.safetensors": (work / "model.safetensors").read_bytes()})
+    assert sorted(load_file(str(work / "model.safetensors"))) == sorted(state)
+
+
+@pytest.mark.parametrize("kind", ["file", "link_to_file", "dangling_link", "fifo"])
+def test_a_path_that_is_no_folder_is_refused_untouched(tmp_path, kind):
+    """Nothing is moved, replaced or created; every rank says why and that nothing was written."""
+    import os
+
+    state = models.state_with_seed(models.Awkward, seed=43)
+    save_file(state, str(tmp_path / "in.safetensors"))
+    (tmp_path / "real.bin").write_bytes(b"someone's file")
+    target = tmp_path / "out"
+    if kind == "file":
+        target.write_bytes(b"someone's file")
+    elif kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to(tmp_path / ("real.bin" if kind == "link_to_file" else "nowhere"))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    results = run_world(2, _save_into, str(tmp_path), "out", str(tmp_path / "in.safetensors"))
+    assert len(set(results)) == 1 and results[0] is not None, results
+    kind_, message = results[0]
+    assert kind_ == "ZloadError" and "nothing was written" in message
+    assert {"file": "is a file", "link_to_file": "is a file", "fifo": "not a folder",
+            "dangling_link": "does not exist"}[kind] in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert (tmp_path / "real.bin").read_bytes() == b"someone's file"
+    assert os.path.islink(target) == (kind in ("link_to_file", "dangling_link"))
+    if kind == "file":
+        assert target.read_bytes() == b"someone's file"
+
+
+def test_a_link_to_a_folder_is_written_through(tmp_path):
+    """As save_pretrained does: the link stays a link, the folder it points to gets the checkpoint
+    and keeps its other files."""
+    state = models.state_with_seed(models.Awkward, seed=44)
+    save_file(state, str(tmp_path / "in.safetensors"))
+    real = tmp_path / "runs" / "run-7"
+    real.mkdir(parents=True)
+    files = _project(real)
+    (tmp_path / "latest").symlink_to(real)
+    assert run_world(2, _save_into, str(tmp_path), "latest", str(tmp_path / "in.safetensors")) == [None, None]
+    assert (tmp_path / "latest").is_symlink() and (tmp_path / "latest").resolve() == real
+    assert _files(real) == dict(files, **{"model.safetensors": (real / "model.safetensors").read_bytes()})
+    saved = load_file(str(real / "model.safetensors"))
+    assert all(torch.equal(saved[k], state[k]) for k in state)

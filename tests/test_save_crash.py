@@ -1,12 +1,20 @@
-"""Crash safety of ``zload.save``: a save killed or failing at any point leaves ``path`` as it was.
+"""Crash safety of ``zload.save``: a save killed or failing at any point never leaves a reader of
+``path`` without a whole checkpoint, never touches the files zload does not own, and leaves
+nothing behind that the next save does not remove.
 
 Each case is a real torchrun job (tests/save_crash_rank.py) of 2 or 3 gloo ranks that loads a
-known checkpoint into a ZeRO-3 ``models.Awkward`` and saves it, sharded, to OUT. One rank is
-killed (``os._exit(9)``) at a chosen point of the save; torchrun then tears the job down. OUT is
-compared byte for byte with what it was before: absent, or a previous checkpoint. Temporary
-siblings ``OUT.zload-tmp-*`` may remain after a kill (nobody is left to remove them); they are
-never at OUT's name. A failure that is not a kill (an OSError on one rank) must raise the same
-``ZloadError`` on every rank, remove the temporary folder and leave OUT as it was.
+known checkpoint into a ZeRO-3 ``models.Awkward`` and saves it, sharded, to OUT, a training output
+folder holding files of other tools. One rank is killed (``os._exit(9)``) at a chosen point of
+the save; torchrun then tears the job down. Then:
+
+- a reader of OUT (model.safetensors first, then the index, as ``from_pretrained`` and zload
+  look) finds the complete old checkpoint before the commit point, the complete new one after;
+- the other files are byte for byte as they were, and nothing appears next to OUT;
+- the surviving ranks that reported raised a ``PeerLostError`` naming the interrupted step;
+- a following save (in this process) leaves exactly its own checkpoint and the other files.
+
+A failure that is not a kill (an OSError on one rank) must raise the same ``ZloadError`` on
+every rank and leave OUT exactly as it was.
 """
 
 from __future__ import annotations
@@ -22,28 +30,54 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import zload
+
 from . import models
 
 RANK_SCRIPT = Path(__file__).with_name("save_crash_rank.py")
 REPO = Path(__file__).parent.parent
 JOB_TIMEOUT = 120
-OLD_NOTE = "a previous checkpoint, to be kept until a save succeeds\n"
+MAX_SHARD = 200  # bytes: Awkward saves as several shards
+# What a training output folder holds besides the weights; zload must never touch it.
+OTHERS = {"trainer_state.json": b'{"global_step": 10}\n', "optimizer.pt": b"\x80\x04not really",
+          "tokenizer.json": b'{"version": "1.0"}', "runs/events.out.tfevents": b"\x00log",
+          "model.safetensors.bak": b"a user's own copy"}
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """The checkpoint every job loads and then saves (so the saved values are known)."""
     folder = tmp_path_factory.mktemp("source")
-    state = models.state_with_seed(models.Awkward, seed=61)
+    state = _state(61)
     save_file(state, str(folder / "in.safetensors"))
     return folder / "in.safetensors", state
 
 
-def _previous_checkpoint(out: Path) -> None:
-    out.mkdir(parents=True)
-    save_file(models.state_with_seed(models.Awkward, seed=62), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "NOTE.txt").write_text(OLD_NOTE)
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    return models.state_with_seed(models.Awkward, seed=seed)
+
+
+def _plain_awkward(seed: int) -> torch.nn.Module:
+    model = models.Awkward()
+    model.load_state_dict(_state(seed))
+    return model
+
+
+def _prepare(out: Path, previous: str) -> dict[str, torch.Tensor] | None:
+    """OUT as a training run leaves it: the other tools' files, and an earlier checkpoint written
+    by safetensors (``single``) or by zload with the same shard names the new save uses
+    (``sharded``); returns that checkpoint's state."""
+    if previous == "none":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return None
+    for name, data in OTHERS.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    if previous == "single":
+        save_file(_state(62), str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        zload.save(_plain_awkward(62), out, max_shard_size=MAX_SHARD)
+    return _state(62)
 
 
 def _tree(path: Path) -> dict[str, bytes] | None:
@@ -54,8 +88,33 @@ def _tree(path: Path) -> dict[str, bytes] | None:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def _siblings(out: Path) -> list[str]:
-    return sorted(p.name for p in out.parent.glob(f"{out.name}.zload-tmp-*"))
+def _others(out: Path) -> dict[str, bytes]:
+    tree = _tree(out) or {}
+    return {name: tree.get(name) for name in OTHERS}
+
+
+def _reader_sees(out: Path) -> dict[str, torch.Tensor] | None:
+    """The checkpoint a reader finds in OUT (None: none), read with safetensors the way
+    ``from_pretrained`` chooses files; zload must find the same one."""
+    if (out / "model.safetensors").exists():
+        state = load_file(str(out / "model.safetensors"))
+    elif (out / "model.safetensors.index.json").exists():
+        weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        state = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(load_file(str(out / shard)))
+        assert sorted(state) == sorted(weight_map), "the index and its shards disagree"
+    else:
+        return None
+    with zload.open_checkpoint(out) as index:
+        assert sorted(index.tensors) == sorted(state)
+    return state
+
+
+def _same(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _run_job(tmp_path: Path, source_file: Path, out: Path, world: int, *, crash_at: str | None = None,
@@ -91,100 +150,89 @@ def _run_job(tmp_path: Path, source_file: Path, out: Path, world: int, *, crash_
     return job.returncode, got, killed, log
 
 
-def _assert_new_checkpoint(out: Path, state: dict[str, torch.Tensor]) -> None:
-    """OUT holds exactly the saved checkpoint: shards + index, the loaded values bit for bit."""
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    assert sorted(_tree(out)) == sorted(shards + ["model.safetensors.index.json"])
-    saved = {}
-    for shard in shards:
-        saved.update(load_file(str(out / shard)))
-    assert sorted(saved) == sorted(state)
-    for name, tensor in saved.items():
-        assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name]), name
+def _assert_only(out: Path, state: dict[str, torch.Tensor], others: dict[str, bytes | None]) -> None:
+    """OUT holds the checkpoint ``state`` (its files and nothing else of zload's) and ``others``."""
+    assert _same(_reader_sees(out), state)
+    index = out / "model.safetensors.index.json"
+    weights = (sorted(set(json.loads(index.read_text())["weight_map"].values())) + [index.name]
+               if index.exists() else ["model.safetensors"])
+    expected = sorted(weights + [name for name, data in others.items() if data is not None])
+    assert sorted(_tree(out)) == expected
+    assert _others(out) == others
+    assert not list(out.glob(".zload-save-*"))
 
 
 # (CRASH_AT, rank killed, world size, shared_filesystem); see tests/save_crash_rank.py
 KILLS = [
     ("plan", 1, 2, None),        # planning: nothing created yet
-    ("create", 0, 2, None),      # the temporary folder and its empty shards exist
+    ("create", 0, 2, None),      # the staging folder and its empty shards exist
     ("write", 0, 2, None),       # rank 0 wrote one chunk
     ("write", 2, 3, None),       # the last rank wrote one chunk, the others go on writing
     ("send", 1, 3, False),       # no shared filesystem: a rank dies streaming its slices to rank 0
-    ("metadata", 0, 2, None),    # all ranks agreed the writes succeeded; index not yet written
-    ("swap", 0, 3, None),        # complete and fsynced, not yet renamed into place
+    ("publish", 0, 3, None),     # every file written and digested, nothing moved into OUT yet
+    ("moved", 0, 2, None),       # the new shards are in OUT, unlisted; the old index still rules
+    ("committed", 0, 2, None),   # the new index is in place; stale files not removed yet
+    ("finish", 0, 2, None),      # stale files removed; the staging folder is still there
 ]
+AFTER_COMMIT = {"committed", "finish"}
+# what a survivor's error says about OUT, by the step it was in when the peer died
+STATE_LEFT = dict.fromkeys(["plan"], "Nothing was written") | dict.fromkeys(
+    ["create", "write", "send"], "still holds what it held before") | dict.fromkeys(
+    ["publish", "moved", "committed", "finish"], "holds the old or the new checkpoint, never a mix")
 
 
-@pytest.mark.parametrize("previous", [False, True], ids=["no-previous", "previous"])
+@pytest.mark.parametrize("previous", ["none", "single", "sharded"])
 @pytest.mark.parametrize("crash_at,crash_rank,world,shared", KILLS,
                          ids=[f"{k[0]}-rank{k[1]}-of-{k[2]}" for k in KILLS])
-def test_a_killed_save_leaves_path_as_it_was(tmp_path, source, record_property, crash_at, crash_rank,
-                                             world, shared, previous):
+def test_a_killed_save_leaves_a_whole_checkpoint_and_nothing_the_next_save_keeps(
+        tmp_path, source, crash_at, crash_rank, world, shared, previous):
     out = tmp_path / "ckpt" / "out"
-    if previous:
-        _previous_checkpoint(out)
-    else:
-        out.parent.mkdir()
-    before = _tree(out)
+    old = _prepare(out, previous)
+    others = _others(out) if previous != "none" else dict.fromkeys(OTHERS)
 
     rc, results, killed, log = _run_job(tmp_path, source[0], out, world, crash_at=crash_at,
                                         crash_rank=crash_rank, shared=shared)
     assert killed == {crash_rank: crash_at}, f"the kill point was not reached:\n{log[-5000:]}"
     assert rc != 0
     assert not any(r["ok"] for r in results.values()), results  # no rank believes it saved
-    assert _tree(out) == before, f"{out} changed after a kill at {crash_at!r}"
-    if not previous:
-        assert not os.path.lexists(out)
-    # only temporary siblings may remain, never anything else next to OUT
-    assert sorted(p.name for p in out.parent.iterdir()) == sorted(
-        ([out.name] if previous else []) + _siblings(out))
-    leftovers = _siblings(out)
-    assert len(leftovers) <= 1
-    record_property("leftover_tmp", leftovers)
-    if crash_rank == 0 and crash_at != "plan":
-        assert leftovers, "rank 0 died after creating the temporary folder: nobody removes it"
+    for r in results.values():  # the survivors that got to say so: a peer is gone, and where
+        assert r["error_type"] == "PeerLostError" and "was interrupted" in r["message"], r
+        assert STATE_LEFT[crash_at] in r["message"], r
 
+    # A reader finds a whole checkpoint: the old one until the commit point, the new one after.
+    # From a single file to shards, the commit point is the single file's removal (it hides the
+    # index from from_pretrained and zload alike).
+    new = _state(61) if crash_at in AFTER_COMMIT and not (crash_at == "committed" and previous == "single") \
+        else None
+    assert _same(_reader_sees(out), new or old)
+    assert _others(out) == others
+    assert sorted(p.name for p in out.parent.iterdir()) == (["out"] if os.path.lexists(out) else [])
 
-@pytest.mark.parametrize("previous", [False, True], ids=["no-previous", "previous"])
-def test_killed_right_after_the_swap_keeps_the_new_checkpoint(tmp_path, source, record_property,
-                                                              previous):
-    """Past the rename, the save has happened: OUT is the new checkpoint, whole."""
-    out = tmp_path / "out"
-    if previous:
-        _previous_checkpoint(out)
-    rc, _, killed, log = _run_job(tmp_path, source[0], out, 2, crash_at="swapped", crash_rank=0)
-    assert killed == {0: "swapped"}, log[-5000:]
-    assert rc != 0
-    _assert_new_checkpoint(out, source[1])
-    leftovers = _siblings(out)
-    record_property("leftover_tmp", leftovers)
-    if previous:  # the old checkpoint, exchanged out of the way, was about to be removed
-        assert len(leftovers) == 1
-        assert (out.parent / leftovers[0] / "NOTE.txt").read_text() == OLD_NOTE
-    else:
-        assert leftovers == []
+    # The next save into OUT removes whatever the killed one left.
+    zload.save(_plain_awkward(63), out, max_shard_size=MAX_SHARD)
+    _assert_only(out, _state(63), others)
 
 
 @pytest.mark.parametrize("world,shared", [(2, None), (3, False)], ids=["shared-2", "stream-3"])
-def test_a_successful_save_replaces_the_previous_checkpoint(tmp_path, source, world, shared):
+def test_a_save_replaces_only_its_own_files(tmp_path, source, world, shared):
+    """Saving into a folder that holds an earlier checkpoint and other files: the earlier
+    checkpoint's files are replaced or removed, every other file stays as it was."""
     out = tmp_path / "out"
-    _previous_checkpoint(out)
-    stale = tmp_path / "out.zload-tmp-0123456789abcdef"  # left by an earlier killed save
-    stale.mkdir()
-    (stale / ".zload-writing").write_text("0123456789abcdef")
-
+    _prepare(out, "sharded")
+    others = _others(out)
+    legacy = tmp_path / "out.zload-tmp-0123456789abcdef"  # left by a killed save of zload < 0.2
+    legacy.mkdir()
     rc, results, killed, log = _run_job(tmp_path, source[0], out, world, shared=shared)
     assert rc == 0 and not killed, log[-5000:]
     assert sorted(results) == list(range(world)) and all(r["ok"] for r in results.values()), results
-    _assert_new_checkpoint(out, source[1])
-    # this save's own temporary folder is gone (an earlier save's stale one is not its business)
-    assert set(_siblings(out)) <= {stale.name}
+    _assert_only(out, _state(61), others)
+    assert legacy.is_dir()  # named in a warning, not removed: no lock tells whether it still runs
 
 
 FAILURES = [
-    ("raise", 1, 3, False, "injected write failure"),  # rank 1's write raises OSError(EIO)
-    ("raise-create", 0, 2, True, "injected: no space left"),  # rank 0 fails creating the shards
+    ("raise", 1, 3, "sharded", "injected write failure"),  # rank 1's write raises OSError(EIO)
+    ("raise-create", 0, 2, "none", "injected: no space left"),  # rank 0 fails creating the shards
+    ("raise-commit", 0, 2, "single", "injected: permission denied"),  # the commit rename fails
 ]
 
 
@@ -194,8 +242,7 @@ def test_a_failed_save_raises_on_every_rank_and_cleans_up(tmp_path, source, cras
                                                          world, previous, expected):
     """One rank hits an OSError: every rank raises the same ZloadError; no hang, no trace left."""
     out = tmp_path / "out"
-    if previous:
-        _previous_checkpoint(out)
+    _prepare(out, previous)
     before = _tree(out)
     rc, results, killed, log = _run_job(tmp_path, source[0], out, world, crash_at=crash_at,
                                         crash_rank=crash_rank)
@@ -206,6 +253,7 @@ def test_a_failed_save_raises_on_every_rank_and_cleans_up(tmp_path, source, cras
     assert len(messages) == 1, messages
     message = messages.pop()
     assert expected in message and f"[rank {crash_rank}]" in message and str(out) in message
+    assert "nothing was written" in message or "still holds what it held before" in message \
+        or "is as it was" in message
     assert _tree(out) == before
-    assert _siblings(out) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["results"] + (["out"] if previous else []))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["results"] + (["out"] if before else []))

@@ -5,7 +5,7 @@ Each rank reads (or writes) only the bytes of the partitions it owns; nothing is
 
 import logging
 
-from .errors import CheckpointError, PlanError, ZloadError, ZloadWarning
+from .errors import CheckpointError, PeerLostError, PlanError, ZloadError, ZloadWarning
 from .index import open_checkpoint
 from .init import init
 from .load import load_into
@@ -18,4 +18,4 @@ __version__ = "0.1.0"
 logging.getLogger("zload").addHandler(logging.NullHandler())
 
 __all__ = ["load_into", "save", "init", "open_checkpoint", "LoadReport", "SaveReport", "ZloadError", "CheckpointError",
-           "PlanError", "ZloadWarning", "__version__"]
+           "PlanError", "PeerLostError", "ZloadWarning", "__version__"]

@@ -2,7 +2,7 @@
 
     zload inspect PATH [--json] [--limit N | --all | --no-tensors]
     zload plan PATH --world-size N [--json]
-    zload validate PATH
+    zload validate PATH [--full]
 
 Every command validates the checkpoint exactly as ``load_into`` does (``open_checkpoint`` reads
 and checks every header, and no tensor data). A bad checkpoint prints ``zload: error: ...`` with
@@ -21,7 +21,9 @@ import sys
 from collections import Counter
 
 from . import __version__
-from .errors import ZloadError
+from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch
+from .errors import CheckpointError, ZloadError
+from .execute import reader_count
 from .index import CheckpointIndex, open_checkpoint
 from .progress import human_bytes
 from .targets import Partition
@@ -192,28 +194,52 @@ def _parser() -> argparse.ArgumentParser:
 
     validate = commands.add_parser("validate", help="check every header; exit 0 if valid, 1 if not")
     validate.add_argument("path", metavar="PATH")
+    validate.add_argument("--full", action="store_true", help="also read every byte of the files "
+                          "zload.save wrote and check it against the digest recorded in them")
     return parser
+
+
+def _check_recorded_digests(index: CheckpointIndex) -> tuple[int, int]:
+    """Each file with a digest recorded by zload.save, read whole and checked against it: raises
+    on a mismatch; returns (files checked, files without a recorded digest)."""
+    checked = 0
+    for path in index.files:
+        opened = index.opened.get(path)
+        if DIGEST_KEY not in opened.metadata:
+            continue
+        count = block_count(opened.data_start, opened.identity.size)
+        digest = data_digest(block_digests(opened.fd, opened.data_start, opened.identity.size,
+                                           range(count), reader_count()), count)
+        wrong = recorded_mismatch(path, opened.metadata, digest)
+        if wrong:
+            raise CheckpointError(wrong)
+        checked += 1
+    return checked, len(index.files) - checked
 
 
 def _run(args) -> int:
     if args.command == "validate":
         try:
-            index = open_checkpoint(args.path)
+            with open_checkpoint(args.path) as index:
+                checked, unrecorded = _check_recorded_digests(index) if args.full else (0, 0)
         except ZloadError as e:
             print(f"zload: invalid: {e}", file=sys.stderr)
             return 1
         print(f"valid: {index.source} ({_plural(len(index.tensors), 'tensor')}, "
               f"{human_bytes(index.total_bytes)} in {_plural(len(index.files), 'file')})")
+        if args.full:
+            print(f"data: {_plural(checked, 'file')} matched the digest zload.save recorded"
+                  + (f"; {_plural(unrecorded, 'file')} recorded none (not checked)" if unrecorded else ""))
         return 0
-    index = open_checkpoint(args.path)
-    if args.command == "inspect":
-        summary = inspect_summary(index)
-        if args.json and args.limit == 0:
-            del summary["tensors"]
-        lines = [json.dumps(summary, indent=2)] if args.json else render_inspect(summary, args.limit)
-    else:
-        summary = plan_summary(index, args.world_size)
-        lines = [json.dumps(summary, indent=2)] if args.json else render_plan(summary)
+    with open_checkpoint(args.path) as index:
+        if args.command == "inspect":
+            summary = inspect_summary(index)
+            if args.json and args.limit == 0:
+                del summary["tensors"]
+            lines = [json.dumps(summary, indent=2)] if args.json else render_inspect(summary, args.limit)
+        else:
+            summary = plan_summary(index, args.world_size)
+            lines = [json.dumps(summary, indent=2)] if args.json else render_plan(summary)
     print("\n".join(lines))
     return 0
 

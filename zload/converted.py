@@ -13,7 +13,7 @@ from math import prod
 import torch
 import torch.distributed as dist
 
-from .distributed import agree, comm_device, problems_of, rank_and_world
+from .distributed import agree, collective, comm_device, problems_of, rank_and_world
 from .errors import ZloadError
 from .execute import read_tensor
 from .plan import LoadPlan
@@ -45,7 +45,7 @@ def load_converted(plan: LoadPlan, dests: list[torch.Tensor], shared: SharedInde
     def read(entry):
         nonlocal bytes_read
         bytes_read += entry.nbytes
-        return read_tensor(entry)
+        return read_tensor(shared.index.opened, entry)
 
     conversions: dict[tuple[str, ...], int] = {}  # inputs -> round-robin position
     for i in plan.slow:
@@ -66,7 +66,8 @@ def load_converted(plan: LoadPlan, dests: list[torch.Tensor], shared: SharedInde
                 if tensor is None:
                     tensor = torch.empty(prod(source.shape), dtype=dst.dtype)
                 tensor = tensor.to(comm_device())  # the backend's device, not necessarily dst's
-                dist.broadcast(tensor, src=reader)
+                with collective():
+                    dist.broadcast(tensor, src=reader)
             dst.copy_(tensor)
     return bytes_read
 
@@ -84,7 +85,8 @@ def _deliver_partition(target, tensor, dst: torch.Tensor, reader: int) -> None:
     if dist.get_world_size(group) != world:
         full = tensor if tensor is not None else torch.empty(part.numel, dtype=dst.dtype)
         full = full.to(comm_device())
-        dist.broadcast(full, src=reader)
+        with collective():
+            dist.broadcast(full, src=reader)
         dst[:part.valid].copy_(full[mine])
         return
     chunks = None
@@ -95,5 +97,6 @@ def _deliver_partition(target, tensor, dst: torch.Tensor, reader: int) -> None:
         by_partition = padded.split(part.size)
         chunks = [by_partition[dist.get_group_rank(group, g)] for g in range(world)]
     received = torch.empty(part.size, dtype=dst.dtype, device=device)
-    dist.scatter(received, chunks, src=reader)
+    with collective():
+        dist.scatter(received, chunks, src=reader)
     dst.copy_(received)

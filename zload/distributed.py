@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import traceback
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch.distributed as dist
 
@@ -33,13 +35,45 @@ def comm_device():
     return torch.device("cpu")
 
 
+_stage: ContextVar[tuple[str, str]] = ContextVar("zload_stage", default=("communicating", ""))
+
+
+@contextmanager
+def stage(what: str, leaves: str):
+    """Name the step the ranks are in (``what``) and the state a failure in it ``leaves`` the
+    model or folder in, for the error raised if a peer process dies meanwhile."""
+    token = _stage.set((what, leaves))
+    try:
+        yield
+    finally:
+        _stage.reset(token)
+
+
+@contextmanager
+def collective():
+    """Around calls that talk to other ranks. gloo and NCCL raise a bare ``RuntimeError`` when a
+    peer process is gone; it becomes a ``PeerLostError`` that names the step and the state left."""
+    try:
+        yield
+    except (RecursionError, NotImplementedError):  # RuntimeErrors that are no communication failure
+        raise
+    except RuntimeError as e:
+        what, leaves = _stage.get()
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise errors.PeerLostError(
+            f"zload: {what} was interrupted: talking to the other ranks failed ({detail}); another "
+            f"rank's process has probably died or become unreachable (see its log). {leaves}",
+            stage=what) from e
+
+
 def exchange(obj) -> list:
     """Every rank's ``obj``, in rank order (a list of one without torch.distributed)."""
     _, world = rank_and_world()
     if world == 1:
         return [obj]
     gathered = [None] * world
-    dist.all_gather_object(gathered, obj)
+    with collective():
+        dist.all_gather_object(gathered, obj)
     return gathered
 
 
@@ -51,7 +85,8 @@ def reduce_max(values: list[int]) -> list[int]:
     import torch
 
     tensor = torch.tensor(values, dtype=torch.int64, device=comm_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    with collective():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
 
 
@@ -83,12 +118,12 @@ def raise_for(gathered: list[list[tuple[str, str]]], what: str) -> None:
     raise cls(f"{what}:\n" + "\n".join(lines))
 
 
-def problems_of(stage: str, call) -> tuple[object, list[tuple[str, str]]]:
+def problems_of(doing: str, call) -> tuple[object, list[tuple[str, str]]]:
     """Run ``call``; turn any exception into problems so every rank can still reach ``agree``."""
     try:
         return call(), []
     except errors.ZloadError as e:
         return None, [(type(e).__name__, str(e))]
     except Exception as e:  # a bug or an environment error must not leave other ranks hanging
-        logger.error("zload: unexpected error while %s:\n%s", stage, traceback.format_exc())
-        return None, [("ZloadError", f"unexpected error while {stage}: {type(e).__name__}: {e}")]
+        logger.error("zload: unexpected error while %s:\n%s", doing, traceback.format_exc())
+        return None, [("ZloadError", f"unexpected error while {doing}: {type(e).__name__}: {e}")]

@@ -25,3 +25,15 @@ class PlanError(ZloadError):
 
     Raised identically on every rank, before a single byte of the model is written.
     """
+
+
+class PeerLostError(ZloadError):
+    """Talking to the other ranks failed part-way through a step (``stage``): a peer process has
+    died or become unreachable. The message says what state the model or folder is left in.
+
+    The communication backend's own error is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, stage: str):
+        super().__init__(message)
+        self.stage = stage

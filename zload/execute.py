@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import CheckpointError
+from .files import FileTable
 from .kernels import Segment, scatter_cast
 from .plan import ReadItem, split_item
 from .progress import Progress
@@ -156,9 +157,10 @@ class _Staging:
 
 
 class _Reader:
-    def __init__(self, destinations: list, staging_bytes: int, staged_total: int,
+    def __init__(self, files: FileTable, destinations: list, staging_bytes: int, staged_total: int,
                  progress: Progress | None = None, threads: int | None = None,
                  device: torch.device = torch.device("cpu")):
+        self.files = files
         self.destinations = destinations
         self.progress = progress or Progress()
         self.capacity = max(_ALIGN, min(staging_bytes // 2, staged_total))
@@ -169,7 +171,7 @@ class _Reader:
         self.segments: list[Segment] = []
         self.runs: list[_Run] = []
         self.pending = None  # the batch being read: (queue, helpers' futures, staging, segments)
-        self.fds: dict[str, int] = {}
+        self.read_files: set[str] = set()
         self.bytes_read = 0
         self.helpers = (reader_count() if threads is None else max(1, threads)) - 1
         self.pool = ThreadPoolExecutor(self.helpers, thread_name_prefix="zload-read") \
@@ -177,12 +179,8 @@ class _Reader:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _fd(self, file: str) -> int:
-        if file not in self.fds:
-            try:
-                self.fds[file] = os.open(file, os.O_RDONLY)
-            except OSError as e:
-                raise CheckpointError(f"{file}: cannot open: {e.strerror}") from e
-        return self.fds[file]
+        self.read_files.add(file)
+        return self.files.get(file).fd
 
     def _queue(self, file: str, offset: int, buffer: memoryview) -> None:
         for first in range(0, len(buffer), _RUN_BYTES):
@@ -231,11 +229,13 @@ class _Reader:
         self.current = 1 - self.current
 
     def drain(self) -> None:
+        """Finish every read queued so far, then check that no file read changed meanwhile."""
         self.flush()
         self._finish(self.pending)
         self.pending = None
         if self.stream is not None:
             torch.cuda.current_stream(self.device).synchronize()
+        self.files.check_unchanged(self.read_files)
 
     def _finish(self, batch) -> None:
         if batch is None:
@@ -267,17 +267,16 @@ class _Reader:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
-        for fd in self.fds.values():
-            os.close(fd)
 
 
-def execute(items: list[ReadItem], destinations: list[torch.Tensor],
+def execute(files: FileTable, items: list[ReadItem], destinations: list[torch.Tensor],
             staging_bytes: int = DEFAULT_STAGING_BYTES, progress: Progress | None = None,
             threads: int | None = None) -> int:
     """Read every item into its flat destination; returns the number of bytes read.
 
-    Items are grouped by the device of their destination, each group with its own staging.
-    ``threads``: reader threads, the calling one included (default: ``reader_count()``).
+    Files are read through ``files`` (opened when their headers were read), and must not have
+    changed by the end. Items are grouped by the device of their destination, each group with its
+    own staging. ``threads``: reader threads, the calling one included (default: ``reader_count()``).
     """
     by_device: dict[torch.device, list[ReadItem]] = {}
     for item in items:
@@ -285,7 +284,7 @@ def execute(items: list[ReadItem], destinations: list[torch.Tensor],
     total = 0
     for device, group in by_device.items():
         staged_total = sum(i.nbytes + _ALIGN for i in group)  # an upper bound, alignment included
-        reader = _Reader(destinations, staging_bytes, staged_total, progress, threads, device)
+        reader = _Reader(files, destinations, staging_bytes, staged_total, progress, threads, device)
         try:
             for item in sorted(group, key=lambda i: (i.file, i.offset)):
                 reader.add(item)
@@ -297,12 +296,12 @@ def execute(items: list[ReadItem], destinations: list[torch.Tensor],
 
 
 class RangeReader:
-    """Reads byte ranges into given buffers, keeping its open files and reader threads from one
+    """Reads byte ranges of ``files`` into given buffers, keeping its reader threads from one
     ``read`` to the next (a node-local reader serves many batches). After a failed ``read`` only
     ``close`` is left to call."""
 
-    def __init__(self):
-        self._reader = _Reader([], 0, 0)
+    def __init__(self, files: FileTable):
+        self._reader = _Reader(files, [], 0, 0)
 
     def read(self, ranges) -> int:
         """Read each ``(file, offset, writable memoryview)`` completely; returns bytes read."""
@@ -323,11 +322,11 @@ class RangeReader:
         self.close()
 
 
-def read_tensor(entry) -> torch.Tensor:
+def read_tensor(files: FileTable, entry) -> torch.Tensor:
     """The whole tensor ``entry`` (an ``index.TensorEntry``), for the conversion slow path."""
     from .index import DTYPES
 
     out = torch.empty(entry.nbytes, dtype=torch.uint8)
-    with RangeReader() as reader:
+    with RangeReader(files) as reader:
         reader.read([(entry.file, entry.start, _byte_view(out))])
     return out.view(getattr(torch, DTYPES[entry.dtype][0])).reshape(entry.shape)

@@ -7,14 +7,18 @@ about offsets would otherwise make a rank silently read another tensor's bytes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
 import struct
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from math import prod
 from typing import Mapping
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ZloadWarning
+from .files import FileTable, OpenFile, open_regular, refuse_irregular, stat_path
 
 # safetensors dtype code -> (torch dtype attribute name, bytes per element)
 DTYPES: Mapping[str, tuple[str, int]] = {
@@ -36,10 +40,12 @@ DTYPES: Mapping[str, tuple[str, int]] = {
     "C64": ("complex64", 8),
 }
 
-# The safetensors reference implementation refuses larger headers; so do we.
+# The safetensors reference implementation refuses larger headers; so do we, and index files too.
 MAX_HEADER_BYTES = 100_000_000
+MAX_INDEX_BYTES = MAX_HEADER_BYTES
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_U64_MAX = 2**64 - 1  # safetensors reads sizes, shapes and offsets as 64-bit unsigned integers
 
 
 @dataclass(frozen=True)
@@ -64,30 +70,66 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class CheckpointIndex:
-    """Every tensor of a (possibly sharded) checkpoint, by name."""
+    """Every tensor of a (possibly sharded) checkpoint, by name, and its files as opened when
+    their headers were read (``opened``; every read of tensor bytes goes through it)."""
 
     source: str
     files: tuple[str, ...]
     tensors: Mapping[str, TensorEntry]
     absent: tuple[str, ...] = ()  # shards the index lists that this machine does not have
-
+    opened: FileTable | None = field(default=None, compare=False, repr=False)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def close(self) -> None:
+        """Close the files (also done when the index is garbage-collected)."""
+        if self.opened is not None:
+            self.opened.close()
 
-def _reject_duplicate_keys(pairs):
-    seen = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ValueError(f"duplicate key '{key}'")
-        seen[key] = value
-    return seen
+    def __enter__(self) -> CheckpointIndex:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def _is_nonneg_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def _strict_json(text: str, what: str):
+    """``json.loads`` refusing what serde_json (safetensors' parser) refuses and Python accepts:
+    ``-0`` as an integer, NaN and Infinity, lone surrogates; and duplicate keys, which it
+    silently resolves. Deep nesting is a ``ValueError`` here, not a ``RecursionError``."""
+
+    def integer(literal: str) -> int:
+        if literal == "-0":
+            raise ValueError("-0 is not an integer safetensors accepts")
+        return int(literal)
+
+    def constant(literal: str):
+        raise ValueError(f"{literal} is not JSON")
+
+    def strict_object(pairs):
+        seen = {}
+        for key, value in pairs:
+            for text_ in (key, value) if isinstance(value, str) else (key,):
+                try:
+                    text_.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(f"string {text_!r} holds a lone surrogate (not Unicode)") from None
+            if key in seen:
+                raise ValueError(f"duplicate key '{key}'")
+            seen[key] = value
+        return seen
+
+    try:
+        return json.loads(text, parse_int=integer, parse_constant=constant,
+                          object_pairs_hook=strict_object)
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deeply") from None
+
+
+def _is_u64(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _U64_MAX
 
 
 def _parse_entry(path: str, name: str, raw, data_start: int) -> TensorEntry:
@@ -97,45 +139,59 @@ def _parse_entry(path: str, name: str, raw, data_start: int) -> TensorEntry:
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
         raise bad(f"header entry must have exactly dtype, shape and data_offsets, got {raw!r}")
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-    if not isinstance(shape, list) or not all(_is_nonneg_int(d) for d in shape):
-        raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+    if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
+        raise bad(f"shape must be a list of non-negative 64-bit integers, got {shape!r}")
     if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(_is_nonneg_int(o) for o in offsets) or offsets[0] > offsets[1]):
-        raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
+            or not all(_is_u64(o) for o in offsets) or offsets[0] > offsets[1]):
+        raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end < 2**64, got {offsets!r}")
+    numel = 1
+    for dim in shape:  # as safetensors multiplies: left to right, any overflow refused
+        numel *= dim
+        if numel > _U64_MAX:
+            raise bad(f"shape {shape} has more than 2**64 elements")
+    if numel * DTYPES[dtype][1] * 8 > _U64_MAX:
+        raise bad(f"shape {shape} of {dtype} has more than 2**64 bits")
     begin, end = offsets
-    expected = prod(shape) * DTYPES[dtype][1]
+    expected = numel * DTYPES[dtype][1]
     if end - begin != expected:
         raise bad(f"data_offsets {offsets} hold {end - begin} bytes but shape {shape} of {dtype} "
                   f"needs {expected}")
     return TensorEntry(name, path, dtype, tuple(shape), data_start + begin, end - begin)
 
 
-def read_header(path: str) -> dict[str, TensorEntry]:
-    """Parse and validate one safetensors file's header; returns its tensors by name."""
+def _pread_exactly(opened: OpenFile, nbytes: int, offset: int) -> bytes:
     try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: file is {file_size} bytes, too short to be safetensors")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES:
-                raise CheckpointError(f"{path}: header length {header_len} exceeds the "
-                                      f"{MAX_HEADER_BYTES}-byte limit of the safetensors format")
-            if 8 + header_len > file_size:
-                raise CheckpointError(f"{path}: header length {header_len} runs past the end of the "
-                                      f"{file_size}-byte file (truncated?)")
-            header_bytes = f.read(header_len)
+        data = os.pread(opened.fd, nbytes, offset)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from e
+        raise CheckpointError(f"{opened.path}: cannot read: {e.strerror}") from e
+    if len(data) != nbytes:
+        raise CheckpointError(f"{opened.path}: ends at byte {offset + len(data)} while reading "
+                              f"{nbytes} bytes at {offset} (changed while being read?)")
+    return data
+
+
+def parse_header(opened: OpenFile) -> dict[str, TensorEntry]:
+    """Parse and validate the header of an opened safetensors file; returns its tensors by name
+    and records the header's digest, data start and metadata in ``opened``."""
+    path, file_size = opened.path, opened.identity.size
+    if file_size < 8:
+        raise CheckpointError(f"{path}: file is {file_size} bytes, too short to be safetensors")
+    (header_len,) = struct.unpack("<Q", _pread_exactly(opened, 8, 0))
+    if header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{path}: header length {header_len} exceeds the "
+                              f"{MAX_HEADER_BYTES}-byte limit of the safetensors format")
+    if 8 + header_len > file_size:
+        raise CheckpointError(f"{path}: header length {header_len} runs past the end of the "
+                              f"{file_size}-byte file (truncated?)")
+    header_bytes = _pread_exactly(opened, header_len, 8)
 
     try:
         text = header_bytes.decode("utf-8")
         if not text.startswith("{"):
             raise ValueError("header does not start with '{'")
-        header = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        header = _strict_json(text, "header")
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{path}: header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
@@ -163,15 +219,26 @@ def read_header(path: str) -> dict[str, TensorEntry]:
                                   f"has only {file_size} bytes (truncated?)")
         raise CheckpointError(f"{path}: {file_size - cursor} bytes after the last tensor are not "
                               f"described by the header")
+    opened.header_sha256 = hashlib.sha256(header_bytes).hexdigest()
+    opened.data_start = data_start
+    opened.metadata = dict(metadata or {})
     return entries
 
 
-def _read_weight_map(index_path: str) -> dict[str, str]:
+def read_header(path: str) -> dict[str, TensorEntry]:
+    """Parse and validate one safetensors file's header; returns its tensors by name."""
+    with FileTable() as table:
+        return parse_header(table.add(open_regular(path)))
+
+
+def _read_weight_map(index_path: str, table: FileTable) -> dict[str, str]:
+    opened = table.add(open_regular(index_path))
+    if opened.identity.size > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{index_path}: {opened.identity.size} bytes, over the "
+                              f"{MAX_INDEX_BYTES}-byte limit zload sets for an index file")
     try:
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-    except OSError as e:
-        raise CheckpointError(f"{index_path}: cannot read: {e.strerror or e}") from e
+        weight_map = _strict_json(_pread_exactly(opened, opened.identity.size, 0).decode("utf-8"),
+                                  "index").get("weight_map")
     except (ValueError, AttributeError) as e:
         raise CheckpointError(f"{index_path}: not a valid index file: {e}") from e
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -179,45 +246,80 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
     return weight_map
 
 
-def _index_from_weight_map(index_path: str, missing_ok: bool) -> CheckpointIndex:
-    weight_map = _read_weight_map(index_path)
+def shard_path(folder: str, shard: str) -> str | None:
+    """Where shard name ``shard`` of an index in ``folder`` lies, or None if it names a place
+    outside ``folder`` (an absolute path, ``..``) or no file at all. Judged on the name alone:
+    links inside the folder (the Hub cache's snapshot links) are followed as usual."""
+    if not shard or "\x00" in shard or os.path.isabs(shard):
+        return None
+    try:
+        os.fsencode(shard)
+    except UnicodeError:
+        return None
+    normal = os.path.normpath(shard)
+    if normal in (".", "..") or normal.startswith(".." + os.sep):
+        return None
+    return os.path.join(folder, normal)
+
+
+def _index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) -> CheckpointIndex:
+    weight_map = _read_weight_map(index_path, table)
     folder = os.path.dirname(os.path.abspath(index_path))
     shards = sorted(set(weight_map.values()))
+    paths = {}
+    for shard in shards:  # every name is checked before any shard is opened
+        paths[shard] = shard_path(folder, shard)
+        if paths[shard] is None:
+            tensor = next(name for name, s in weight_map.items() if s == shard)
+            raise CheckpointError(f"{index_path}: tensor '{tensor}' is mapped to {shard!r}, which is "
+                                  f"not a file inside the checkpoint folder {folder}")
     tensors: dict[str, TensorEntry] = {}
     absent: set[str] = set()  # shard names
     for shard in shards:
-        shard_path = os.path.join(folder, shard)
-        if not os.path.isfile(shard_path):
+        try:
+            os.stat(paths[shard])
+        except FileNotFoundError:
             if missing_ok:
                 absent.add(shard)
                 continue
-            raise CheckpointError(f"{shard_path}: shard listed in {index_path} does not exist")
-        for name, entry in read_header(shard_path).items():
+            raise CheckpointError(f"{paths[shard]}: shard listed in {index_path} does not exist") from None
+        except OSError:
+            pass  # open_regular names the problem
+        for name, entry in parse_header(table.add(open_regular(paths[shard]))).items():
             if name in tensors:
-                raise CheckpointError(f"{shard_path}: tensor '{name}' also appears in "
+                raise CheckpointError(f"{paths[shard]}: tensor '{name}' also appears in "
                                       f"{tensors[name].file}")
             if weight_map.get(name) != shard:
-                raise CheckpointError(f"{shard_path}: tensor '{name}' is not listed for this shard in "
-                                      f"{index_path}")
+                raise CheckpointError(f"{paths[shard]}: tensor '{name}' is not listed for this shard "
+                                      f"in {index_path}")
             tensors[name] = entry
     for name, shard in weight_map.items():
         if name not in tensors and shard not in absent:
-            raise CheckpointError(f"{os.path.join(folder, shard)}: tensor '{name}' listed in "
-                                  f"{index_path} is not in the shard")
-    return CheckpointIndex(index_path, tuple(os.path.join(folder, s) for s in shards), tensors,
-                           tuple(os.path.join(folder, s) for s in sorted(absent)))
+            raise CheckpointError(f"{paths[shard]}: tensor '{name}' listed in {index_path} is not in "
+                                  f"the shard")
+    return CheckpointIndex(index_path, tuple(paths[s] for s in shards), tensors,
+                           tuple(paths[s] for s in sorted(absent)), table)
 
 
 def _resolve(path: str) -> str:
-    """The file to start from: a .safetensors file or an index .json."""
-    if os.path.isfile(path):
-        return path
-    if not os.path.isdir(path):
+    """The file to start from: a .safetensors file or an index .json. In a folder, the names
+    ``from_pretrained`` looks for come first, in its order (``model.safetensors``, then the index)."""
+    st = stat_path(path) if os.path.lexists(path) else None
+    if st is None:
         raise CheckpointError(f"{path}: no such file or directory")
-    for name in (INDEX_FILE, SINGLE_FILE):
-        if os.path.isfile(os.path.join(path, name)):
+    if not stat.S_ISDIR(st.st_mode):
+        refuse_irregular(path, st)
+        return path
+    for name in (SINGLE_FILE, INDEX_FILE):
+        if os.path.lexists(os.path.join(path, name)):
+            if name == SINGLE_FILE and os.path.lexists(os.path.join(path, INDEX_FILE)):
+                warnings.warn(f"zload: {path} holds both {SINGLE_FILE} and {INDEX_FILE}; loading "
+                              f"{SINGLE_FILE}, as from_pretrained does", ZloadWarning, stacklevel=2)
             return os.path.join(path, name)
-    listing = sorted(os.listdir(path))
+    try:
+        listing = sorted(os.listdir(path))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot list: {e.strerror}") from e
     indexes = [n for n in listing if n.endswith(".safetensors.index.json")]
     singles = [n for n in listing if n.endswith(".safetensors")]
     if len(indexes) == 1:
@@ -231,10 +333,18 @@ def _resolve(path: str) -> str:
 def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> CheckpointIndex:
     """Index a checkpoint: a .safetensors file, an index .json, or a directory holding either.
 
+    The files stay open (``index.opened``) until ``index.close()`` or the end of a ``with`` block.
     ``missing_ok``: shards the index lists but this machine lacks are recorded in ``absent``
     instead of raising (another node may hold them).
     """
-    start = _resolve(os.fspath(path))
-    if start.endswith(".json"):
-        return _index_from_weight_map(start, missing_ok)
-    return CheckpointIndex(start, (os.path.abspath(start),), read_header(os.path.abspath(start)))
+    table = FileTable()
+    try:
+        start = _resolve(os.fspath(path))
+        if start.endswith(".json"):
+            return _index_from_weight_map(start, missing_ok, table)
+        single = os.path.abspath(start)
+        return CheckpointIndex(start, (single,), parse_header(table.add(open_regular(single))),
+                               opened=table)
+    except BaseException:
+        table.close()
+        raise

@@ -18,13 +18,15 @@ from .collector import collector_paused
 from .converted import load_converted
 from .distributed import (
     agree,
+    collective,
     exchange,
     problems_of,
     raise_for,
     rank_and_world,
     reduce_max,
+    stage,
 )
-from .errors import ZloadWarning
+from .errors import PeerLostError, ZloadError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .hub import resolve_checkpoint
 from .index import CheckpointIndex
@@ -34,7 +36,7 @@ from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
 from .progress import progress_for
 from .report import LoadReport, shortened
-from .sharing import SharedIndex, fetch_remote, local_view, share_index
+from .sharing import SharedIndex, fetch_remote, local_view, share_index, verify_fully
 from .targets import (
     ORPHAN,
     PARTITION,
@@ -58,13 +60,20 @@ def _engine_writes(engine):
     optimizer = getattr(engine, "optimizer", None)
     prologue = getattr(optimizer, "checkpoint_event_prologue", None)
     if prologue:
-        prologue()  # partition persistent (replicated) parameters
-    ok = False
+        with collective():
+            prologue()  # partition persistent (replicated) parameters
     try:
         yield
-        ok = True
-    finally:
-        if ok and hasattr(optimizer, "refresh_fp32_params"):
+    except PeerLostError:
+        raise  # a peer is gone: no collective can set the engine right again
+    except BaseException:
+        if prologue:
+            with collective():
+                optimizer.checkpoint_event_epilogue()
+        raise
+    with stage("updating the engine after the load", "The weights are written, but the engine's "
+               "fp32 masters or persistent parameters may not be: do not train on with it."), collective():
+        if hasattr(optimizer, "refresh_fp32_params"):
             optimizer.refresh_fp32_params()  # fp32 masters <- the weights just written
         if prologue:
             optimizer.checkpoint_event_epilogue()  # drop hpZ secondaries, re-gather persistent params
@@ -107,7 +116,8 @@ def _repair_orphans(module, plan: LoadPlan, dests) -> None:
             continue
         param = target.tensor
         param.data = dests[i].view(source.shape)
-        zero_sibling(module, target.name).convert_to_zero_parameters([param])
+        with collective():
+            zero_sibling(module, target.name).convert_to_zero_parameters([param])
         _zero_padding(param)
 
 
@@ -126,37 +136,54 @@ def _refused(source: str) -> str:
     return f"zload: cannot load {source}; the model was not changed"
 
 
-def _index_and_plan(path: str, revision: str | None, plan_load) -> tuple[str, SharedIndex, LoadPlan]:
+VERIFY = ("sample", "full")
+_UNCHANGED = "The model was not changed."
+_PARTLY = "The model is partly written: load it again before using it."
+
+
+def _index_and_plan(path: str, revision: str | None, verify: str,
+                    plan_load) -> tuple[str, SharedIndex, LoadPlan]:
     """Index the checkpoint and plan the load on every rank; raise on all if any rank cannot.
 
     Usually every rank sees the same whole checkpoint: each plans against its own view, and one
-    all-reduce settles both that the views are the same and that no plan has a problem. Otherwise
-    (node-local shards, a Hub repo id, a bad header) the ranks exchange their views, and then plan
-    and agree on the plans.
+    all-reduce settles both that the views are the same (headers, and a sample of the data) and
+    that no plan has a problem. Otherwise (node-local shards, copies that differ, a Hub repo id,
+    a bad header) the ranks exchange their views, and then plan and agree on the plans. The
+    returned index's files stay open; the caller closes them.
     """
-    view = local_view(path)
-    plan, problems = _planned(plan_load, view.index) if view.whole else (None, [])
-    fingerprint = view.fingerprint
-    high, negated_low, partial, troubled = reduce_max(
-        [fingerprint, -fingerprint, int(not view.whole), len(problems)])
-    if high == -negated_low and not partial:  # the same whole checkpoint everywhere
-        source = resolve_checkpoint(path, revision, local=True)
-        if troubled:
-            raise_for(exchange(problems), _refused(source))
-        return source, view.shared(), plan
-    shared = share_index(view, _refused(path))
-    source = resolve_checkpoint(path, revision, local=shared is not None)
-    if shared is None:  # a Hub repo id, now downloaded
-        shared = share_index(local_view(source), _refused(source))
-    plan, problems = _planned(plan_load, shared.index)
-    agree(problems, _refused(source))
-    return source, shared, plan
+    view = local_view(path, verify)
+    try:
+        if verify == "full":
+            verify_fully(view)
+        plan, problems = _planned(plan_load, view.index) if view.whole else (None, [])
+        fingerprint = view.fingerprint
+        high, negated_low, partial, troubled = reduce_max(
+            [fingerprint, -fingerprint, int(not view.whole), len(problems)])
+        if high == -negated_low and not partial:  # the same whole checkpoint everywhere
+            source = resolve_checkpoint(path, revision, local=True)
+            if troubled:
+                raise_for(exchange(problems), _refused(source))
+            return source, view.shared(), plan
+        shared = share_index(view, _refused(path))
+        source = resolve_checkpoint(path, revision, local=shared is not None)
+        if shared is None:  # a Hub repo id, now downloaded
+            view.close()
+            view = local_view(source, verify)
+            if verify == "full":
+                verify_fully(view)
+            shared = share_index(view, _refused(source))
+        plan, problems = _planned(plan_load, shared.index)
+        agree(problems, _refused(source))
+        return source, shared, plan
+    except BaseException:
+        view.close()
+        raise
 
 
 @collector_paused()
 def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: KeyMap | None = None,
               revision: str | None = None, progress: bool | None = None,
-              staging_bytes: int = DEFAULT_STAGING_BYTES) -> LoadReport:
+              staging_bytes: int = DEFAULT_STAGING_BYTES, verify: str = "sample") -> LoadReport:
     """Load a safetensors checkpoint into ``model`` in place, each rank reading only its bytes.
 
     ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not) or a
@@ -169,13 +196,18 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     Names are also matched through transformers' conversion mapping (for a ``PreTrainedModel``),
     PEFT adapter names (for a ``PeftModel``) and one added or removed leading module prefix.
     ``progress``: a progress bar on rank 0 for loads longer than a second (None: only on a
-    terminal). Must be called by every rank. Raises ``ZloadError`` (the same on every rank) and
-    leaves the model untouched when the checkpoint does not fit the model.
+    terminal). ``verify``: how ranks make sure they read the same bytes: "sample" compares the
+    headers and a sample of each file's data across ranks; "full" digests every byte, once per
+    node, and checks files ``zload.save`` wrote against the digest it recorded. Must be called by
+    every rank. Raises ``ZloadError`` (the same on every rank) and leaves the model untouched when
+    the checkpoint does not fit the model.
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
     module, engine = unwrap(model)
     path = os.fspath(path)
+    if verify not in VERIFY:
+        raise ZloadError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY))}")
 
     def plan_load(index: CheckpointIndex) -> LoadPlan:
         targets = collect_targets(module, engine is not None)
@@ -187,25 +219,11 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
                                  f"would stay unwritten (strict=True): {shortened(left, 20)}")
         return plan
 
-    source, shared, plan = _index_and_plan(path, revision, plan_load)
-    local = [i for i in plan.items if i.file not in shared.remote_files]
-    remote = [i for i in plan.items if i.file in shared.remote_files]
-
-    dests = _destinations(plan)
-    with _engine_writes(engine):
-        with progress_for(sum(i.nbytes for i in local), rank=rank, enabled=progress) as bar:
-            bytes_read, problems = problems_of(
-                "reading", lambda: execute(local, dests, staging_bytes, bar))
-        failed = f"zload: loading {source} failed part-way; the model is partly written"
-        agree(problems, failed)
-        sent = received = 0
-        if shared.sharing:
-            served, sent, received, problems = fetch_remote(shared, remote, dests, staging_bytes)
-            agree(problems, failed)
-            bytes_read += served
-        bytes_read += load_converted(plan, dests, shared)
-        _finish_partitions(plan, dests)
-        _repair_orphans(module, plan, dests)
+    with stage(f"indexing and planning the load of {path}", _UNCHANGED):
+        source, shared, plan = _index_and_plan(path, revision, verify, plan_load)
+    with shared.index:
+        bytes_read, sent, received = _execute(plan, shared, engine, module, source, rank, staging_bytes,
+                                              progress)
 
     report = LoadReport(source, rank, world, plan.loaded, plan.missing, plan.unexpected,
                         plan.conversions, plan.orphans, [plan.targets[i].name for i in plan.slow],
@@ -214,6 +232,33 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
     logger.info("%s", report)
     return report
+
+
+def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, rank: int,
+             staging_bytes: int, progress: bool | None) -> tuple[int, int, int]:
+    """Everything that writes into the model; returns (bytes read, sent, received) on this rank."""
+    files = shared.index.opened
+    local = [i for i in plan.items if i.file not in shared.remote_files]
+    remote = [i for i in plan.items if i.file in shared.remote_files]
+    dests = _destinations(plan)
+    failed = f"zload: loading {source} failed part-way; the model is partly written"
+    with _engine_writes(engine):
+        with stage(f"reading {source}", _PARTLY):
+            with progress_for(sum(i.nbytes for i in local), rank=rank, enabled=progress) as bar:
+                bytes_read, problems = problems_of(
+                    "reading", lambda: execute(files, local, dests, staging_bytes, bar))
+            agree(problems, failed)
+        sent = received = 0
+        if shared.sharing:
+            with stage(f"sending and receiving the parts of {source} some ranks lack", _PARTLY):
+                served, sent, received, problems = fetch_remote(shared, remote, dests, staging_bytes)
+                agree(problems, failed)
+            bytes_read += served
+        with stage(f"converting and finishing the tensors of {source}", _PARTLY):
+            bytes_read += load_converted(plan, dests, shared)
+            _finish_partitions(plan, dests)
+            _repair_orphans(module, plan, dests)
+    return bytes_read, sent, received
 
 
 def _warn(report: LoadReport, uninitialised: list[str]) -> None:

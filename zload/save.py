@@ -2,19 +2,17 @@
 
 Every rank computes the same file layout (names, shapes, dtypes, offsets) from metadata it already
 has; then each rank writes the elements of its own partitions straight to their offsets in the
-shared files. Files are written into a temporary sibling directory that replaces ``path`` only
-after every rank has finished, so a failed or killed save leaves ``path`` as it was.
+shared files. The files are written into a staging folder inside ``path``, read back for their
+digests, and put in place by rank 0 only once every rank has finished (``savedir``), so a failed
+or killed save leaves the checkpoint in ``path`` as it was, and nothing else there is touched.
 """
 
 from __future__ import annotations
 
-import ctypes
-import glob
 import json
 import os
 import re
 import secrets
-import shutil
 import time
 import warnings
 from dataclasses import dataclass
@@ -23,11 +21,14 @@ from math import prod
 import torch
 
 from .collector import collector_paused
-from .distributed import agree, comm_device, exchange, problems_of, rank_and_world
+from .digest import DIGEST_KEY, DIGEST_PLACEHOLDER, block_count, block_digests, data_digest
+from .distributed import agree, collective, comm_device, exchange, problems_of, rank_and_world, stage
 from .errors import ZloadError, ZloadWarning
-from .index import DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry
+from .execute import reader_count
+from .index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
 from .names import conversion_registry, match, peft_info, peft_role, transformers_model
 from .report import SaveReport
+from .savedir import LOCK, STAGING_PREFIX, SaveFolder, shard_name
 from .targets import ORPHAN, PARTITION, Target, collect_targets, dtype_name, unwrap
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -57,6 +58,7 @@ class OutFile:
     name: str
     header: bytes  # length prefix + JSON, padded to 8 bytes
     tensors: tuple[tuple[OutTensor, int], ...]  # each with its absolute offset in the file
+    digest_at: int  # where the data digest goes in the header, once known
 
     @property
     def size(self) -> int:
@@ -87,12 +89,13 @@ def layout(tensors: list[OutTensor], max_shard_bytes: int, single_name: str = SI
         groups[-1].append(tensor)
         size += tensor.nbytes
     names = [single_name] if len(groups) == 1 else [
-        f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+        shard_name(single_name, k, len(groups)) for k in range(len(groups))]
     return [_file(name, group) for name, group in zip(names, groups)]
 
 
 def _file(name: str, tensors: list[OutTensor]) -> OutFile:
-    header: dict = {"__metadata__": {"format": "pt"}}
+    """The file's header, with a placeholder for the digest of its data (filled in once written)."""
+    header: dict = {"__metadata__": {"format": "pt", DIGEST_KEY: DIGEST_PLACEHOLDER}}
     offset = 0
     for t in tensors:
         header[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
@@ -105,7 +108,8 @@ def _file(name: str, tensors: list[OutTensor]) -> OutFile:
     for t in tensors:
         placed.append((t, position))
         position += t.nbytes
-    return OutFile(name, blob, tuple(placed))
+    # __metadata__ comes first, so the first occurrence is the placeholder's
+    return OutFile(name, blob, tuple(placed), blob.index(DIGEST_PLACEHOLDER.encode()))
 
 
 def _as_is(targets: list[Target], i: int, name: str) -> tuple:
@@ -305,7 +309,8 @@ def _stream_to_rank0(items, sources, folder: str, buffer_bytes: int) -> int:
             for sender in range(1, world):
                 for batch in batches[sender]:
                     incoming = torch.empty(sum(n for _, _, n in batch), dtype=torch.uint8, device=device)
-                    dist.recv(incoming, src=sender)
+                    with collective():
+                        dist.recv(incoming, src=sender)
                     data, position = memoryview(incoming.cpu().numpy()), 0
                     for file, offset, nbytes in batch:
                         _pwrite_all(files.fd(file), data[position:position + nbytes], offset)
@@ -318,7 +323,8 @@ def _stream_to_rank0(items, sources, folder: str, buffer_bytes: int) -> int:
     for batch in mine:
         payload = torch.cat([torch.frombuffer(bytearray(data), dtype=torch.uint8)
                              for item in batch for _, data in _chunks(item, sources[item.target], 1 << 62)])
-        dist.send(payload.to(device), dst=0)
+        with collective():
+            dist.send(payload.to(device), dst=0)
         sent += payload.numel()
     return sent
 
@@ -339,7 +345,7 @@ def _batch(items: list[WriteItem], buffer_bytes: int) -> list[list[WriteItem]]:
 
 
 def _write_converted(module, targets: list[Target], files: list[OutFile], folder: str,
-                     shared: bool, master_weights: bool) -> tuple[int, list[str]]:
+                     shared: bool, master_weights: bool, failed: str) -> tuple[int, list[str]]:
     """Tensors whose transformers conversion is no byte layout: for each group of targets, all
     ranks gather those targets only (their fp32 masters with ``master_weights``), and one rank
     runs transformers' reversed conversion and writes the results. Returns (bytes written here,
@@ -357,7 +363,7 @@ def _write_converted(module, targets: list[Target], files: list[OutFile], folder
         writer = k % world if shared else 0
         params = [targets[i].tensor for i in group if targets[i].kind == PARTITION]
         problems = []
-        with deepspeed.zero.GatheredParameters(params):
+        with collective(), deepspeed.zero.GatheredParameters(params):
             # every rank: gathering a master is a collective
             full = {targets[i].name: _full_value(targets[i], master_weights) for i in group}
             if rank == writer:
@@ -377,7 +383,7 @@ def _write_converted(module, targets: list[Target], files: list[OutFile], folder
                 except Exception as e:
                     problems.append(("ZloadError", f"converting {[targets[i].name for i in group]} "
                                                    f"for saving failed: {type(e).__name__}: {e}"))
-        agree(problems, "zload: save failed")
+        agree(problems, failed)
         gathered += [targets[i].name for i in group]
     return written, gathered
 
@@ -393,61 +399,13 @@ def _full_value(target: Target, master_weights: bool) -> torch.Tensor:
     return target.tensor.data
 
 
-def _sees(marker: str, token: str) -> bool:
-    """Whether this rank sees the marker rank 0 just wrote, i.e. shares its filesystem."""
+def _sees(lock: str, token: str) -> bool:
+    """Whether this rank sees the staging folder rank 0 just made, i.e. shares its filesystem."""
     try:
-        with open(marker) as f:
-            return f.read() == token
+        with open(lock) as f:
+            return f.readline().strip() == token
     except OSError:
         return False
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _swap_into_place(tmp: str, final: str) -> None:
-    """Make ``tmp`` the directory at ``final``. An existing ``final`` is exchanged atomically
-    (Linux renameat2 RENAME_EXCHANGE), so at every instant ``final`` is the old or the new one."""
-    if not os.path.lexists(final):
-        os.rename(tmp, final)
-    else:
-        libc = ctypes.CDLL(None, use_errno=True)
-        at_fdcwd, rename_exchange = -100, 2
-        exchanged = hasattr(libc, "renameat2") and libc.renameat2(
-            at_fdcwd, os.fsencode(tmp), at_fdcwd, os.fsencode(final), rename_exchange) == 0
-        if not exchanged:  # no renameat2 here: a short window without ``final``
-            os.rename(final, tmp + ".old")
-            os.rename(tmp, final)
-            tmp += ".old"
-        shutil.rmtree(tmp)
-    _fsync_dir(os.path.dirname(final))
-
-
-def _write_metadata(module, files: list[OutFile], folder: str) -> None:
-    """Index (when sharded) and the configs transformers / peft need to load the folder."""
-    if len(files) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for f in files for t, _ in f.tensors)},
-                 "weight_map": {t.name: f.name for f in files for t, _ in f.tensors}}
-        with open(os.path.join(folder, INDEX_FILE), "w") as out:
-            json.dump(index, out, indent=2, sort_keys=True)
-            out.write("\n")
-    peft = peft_info(module)
-    if peft is not None:
-        module.peft_config[peft[0]].save_pretrained(folder)
-    elif hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
-        module.config.save_pretrained(folder)
-        generation = getattr(module, "generation_config", None)
-        if generation is not None and getattr(module, "can_generate", lambda: False)():
-            generation.save_pretrained(folder)
-    for name in os.listdir(folder):
-        if not name.endswith(".safetensors"):
-            with open(os.path.join(folder, name), "rb+") as f:
-                os.fsync(f.fileno())
 
 
 def _create_files(files: list[OutFile], folder: str) -> None:
@@ -457,14 +415,73 @@ def _create_files(files: list[OutFile], folder: str) -> None:
             out.truncate(f.size)
 
 
-def _warn_about_leftovers(final: str) -> None:
-    """Name the temporary folders that killed saves to ``final`` left behind. They are not removed:
-    one could belong to a save still running elsewhere."""
-    leftovers = sorted(glob.glob(glob.escape(final) + ".zload-tmp-*"))
-    if leftovers:
-        warnings.warn(f"zload: {len(leftovers)} temporary folders of earlier saves to {final} that "
-                      f"never finished (killed?) are still there; delete them to free the space: "
-                      f"{', '.join(leftovers)}", ZloadWarning, stacklevel=4)
+def _record_digests(files: list[OutFile], folder: str, writers: int, failed: str) -> None:
+    """Read the written files back, each of the first ``writers`` ranks a share of their blocks,
+    and write each file's data digest into its header (rank 0). Every rank must call it."""
+    rank, _ = rank_and_world()
+    blocks = [(f, k) for f in files for k in range(block_count(len(f.header), f.size))]
+    mine = blocks[rank::writers] if rank < writers else []
+
+    def hash_mine():
+        digests = {}
+        for f in files:
+            wanted = [k for g, k in mine if g is f]
+            if wanted:
+                with open(os.path.join(folder, f.name), "rb") as src:
+                    found = block_digests(src.fileno(), len(f.header), f.size, wanted, reader_count())
+                digests.update(((f.name, k), d) for k, d in found.items())
+        return digests
+
+    digests, problems = problems_of("reading the written files back for their digests", hash_mine)
+    agree(problems, failed)
+    if rank != 0:
+        exchange(digests)
+        return
+    gathered = {}
+    for part in exchange(digests):
+        gathered.update(part)
+    for f in files:
+        count = block_count(len(f.header), f.size)
+        digest = data_digest({k: gathered[(f.name, k)] for k in range(count)}, count)
+        fd = os.open(os.path.join(folder, f.name), os.O_WRONLY)
+        try:
+            _pwrite_all(fd, memoryview(digest.encode()), f.digest_at)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _stage_configs(module, folder: str) -> list[str]:
+    """The configs transformers / peft need to load the folder, written into ``folder``; their names."""
+    before = set(os.listdir(folder))
+    peft = peft_info(module)
+    if peft is not None:
+        module.peft_config[peft[0]].save_pretrained(folder)
+    elif hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
+        module.config.save_pretrained(folder)
+        generation = getattr(module, "generation_config", None)
+        if generation is not None and getattr(module, "can_generate", lambda: False)():
+            generation.save_pretrained(folder)
+    written = sorted(set(os.listdir(folder)) - before)
+    for name in written:
+        with open(os.path.join(folder, name), "rb+") as f:
+            os.fsync(f.fileno())
+    return written
+
+
+def _publish(folder: SaveFolder, module, single: str, files: list[OutFile]) -> None:
+    """Rank 0: configs staged, the new checkpoint committed, then the leftovers of killed saves
+    and this save's staging folder removed."""
+    for f in files:
+        with open(os.path.join(folder.staging, f.name), "rb+") as out:
+            os.fsync(out.fileno())
+    configs = _stage_configs(module, folder.staging)
+    index = None
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for f in files for t, _ in f.tensors)},
+                 "weight_map": {t.name: f.name for f in files for t, _ in f.tensors}}
+    folder.commit(single, [f.name for f in files] if index else [], index, configs)
+    folder.finish()
 
 
 @collector_paused()
@@ -482,7 +499,8 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     ``buffer_bytes``. ``dtype`` converts on the way; ``master_weights`` writes a live engine's fp32
     master weights of trainable parameters. ``shared_filesystem=None`` detects whether all ranks
     see the same folder; if not, ranks stream their slices to rank 0. Must be called by every rank.
-    An existing checkpoint at ``path`` is replaced only once every rank has succeeded.
+    Only zload's own files in ``path`` are written or removed (see ``zload.savedir``); a checkpoint
+    already there is replaced only once every rank has succeeded, in one rename.
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
@@ -504,58 +522,53 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
         # peft reads one adapter file only, so an adapter is never sharded
         limit = parse_size(max_shard_size) if single != ADAPTER_FILE else float("inf")
         files = layout(tensors, limit, single)
-        return targets, files, plan_writes(files, targets, rank, world)
+        return targets, single, files, plan_writes(files, targets, rank, world)
 
-    planned, problems = problems_of("planning the save", plan_save)
-    agree(problems, refused)
-    targets, files, items = planned
-    if rank == 0:
-        _warn_about_leftovers(final)
-
-    # rank 0 names the temporary sibling folder; every rank checks it can see it
-    token = exchange(secrets.token_hex(8) if rank == 0 else None)[0]
-    tmp = f"{final}.zload-tmp-{token}"
-    marker = os.path.join(tmp, ".zload-writing")
-
-    def prepare():
-        if rank == 0:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            os.makedirs(tmp)
-            try:
-                _create_files(files, tmp)
-                with open(marker, "w") as f:
-                    f.write(token)
-            except BaseException:  # a failed save leaves no temporary folder behind
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-
-    _, problems = problems_of("creating the files", prepare)
-    agree(problems, refused)
-    shared = all(exchange(_sees(marker, token))) if shared_filesystem is None else shared_filesystem
+    with stage(f"planning the save to {final}", "Nothing was written."):
+        planned, problems = problems_of("planning the save", plan_save)
+        agree(problems, refused)
+        token = exchange(secrets.token_hex(8) if rank == 0 else None)[0]
+    targets, single, files, items = planned
+    folder = SaveFolder(final, token) if rank == 0 else None
+    staging = os.path.join(final, STAGING_PREFIX + token)
+    as_it_was = f"{final} still holds what it held before"
+    failed = f"zload: saving to {final} failed; {as_it_was} (rank 0 removes the partial files)"
     try:
-        def write():
-            sources = _sources(targets, master_weights)
-            if shared:
-                return _write_local(items, sources, tmp, buffer_bytes)
-            return _stream_to_rank0(items, sources, tmp, buffer_bytes)
+        with stage(f"saving to {final}", f"{as_it_was}; the partial files in {staging} are "
+                   f"removed by rank 0, or by the next save into {final} if rank 0 is gone."):
+            _, problems = problems_of("creating the files",
+                                      lambda: rank == 0 and (folder.begin(), _create_files(files, staging)))
+            agree(problems, refused)
+            shared = all(exchange(_sees(os.path.join(staging, LOCK), token))) \
+                if shared_filesystem is None else shared_filesystem
 
-        written, problems = problems_of("writing", write)
-        agree(problems, refused)
-        converted_bytes, gathered = _write_converted(module, targets, files, tmp, shared, master_weights)
-        written += converted_bytes
+            def write():
+                sources = _sources(targets, master_weights)
+                if shared:
+                    return _write_local(items, sources, staging, buffer_bytes)
+                return _stream_to_rank0(items, sources, staging, buffer_bytes)
 
-        def publish():
-            if rank == 0:
-                os.remove(marker)
-                _write_metadata(module, files, tmp)
-                _fsync_dir(tmp)
-                _swap_into_place(tmp, final)
-
-        _, problems = problems_of("publishing", publish)
-        agree(problems, refused)
+            written, problems = problems_of("writing", write)
+            agree(problems, failed)
+            converted_bytes, gathered = _write_converted(module, targets, files, staging, shared,
+                                                         master_weights, failed)
+            written += converted_bytes
+            _record_digests(files, staging, world if shared else 1, failed)
+        with stage(f"putting the new files in place in {final}", "Rank 0 does that alone: "
+                   f"depending on how far it got, {final} holds the old or the new checkpoint, never "
+                   "a mix of both; the next save into it removes what is left over."):
+            _, problems = problems_of("publishing",
+                                      lambda: rank == 0 and _publish(folder, module, single, files))
+            if problems:  # rank 0's: say what the folder holds now
+                outcome = folder.abort()
+                problems = [(cls, f"{message} ({outcome})") for cls, message in problems]
+            agree(problems, f"zload: saving to {final} failed while putting the new files in place")
     except BaseException:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            folder.abort()
         raise
+    finally:
+        for note in folder.notes if folder else []:  # point at the caller's save() line
+            warnings.warn(note, ZloadWarning, stacklevel=3)
     return SaveReport(final, [f.name for f in files], sum(f.size for f in files), written, gathered,
                       time.perf_counter() - started)

@@ -11,21 +11,25 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from .distributed import comm_device, exchange, problems_of, raise_for, rank_and_world
-from .errors import CheckpointError, ZloadError
+from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digest
+from .distributed import collective, comm_device, exchange, problems_of, raise_for, rank_and_world
+from .errors import CheckpointError
 from .execute import (
     _ALIGN,
     DEFAULT_STAGING_BYTES,
     RangeReader,
     StagingLayout,
     _byte_view,
+    reader_count,
 )
+from .files import FileTable, OpenFile
 from .index import CheckpointIndex, TensorEntry, open_checkpoint
 from .kernels import Segment, scatter_cast
 from .plan import ReadItem
@@ -55,11 +59,6 @@ class SharedIndex:
         return sorted(ranks)
 
 
-def _digest(entries) -> str:
-    text = repr(sorted((e.name, e.dtype, e.shape, e.start, e.nbytes) for e in entries))
-    return hashlib.sha1(text.encode()).hexdigest()
-
-
 def _root(source: str) -> str:
     absolute = os.path.abspath(source)
     return absolute if os.path.isdir(absolute) or not os.path.splitext(absolute)[1] else os.path.dirname(absolute)
@@ -71,7 +70,8 @@ class LocalView:
 
     source: str
     index: CheckpointIndex | None  # None: no such path on this rank
-    digests: dict[str, str] = field(default_factory=dict)  # file key -> digest of its header entries
+    # file key -> (SHA-256 of its header, fingerprint of its data: sampled, whole, or "" unchecked)
+    digests: dict[str, tuple[str, str]] = field(default_factory=dict)
     known: list[str] = field(default_factory=list)  # the file keys the index lists
     problems: list[tuple[str, str]] = field(default_factory=list)
 
@@ -83,29 +83,95 @@ class LocalView:
     @property
     def fingerprint(self) -> int:
         """Equal on two ranks (but for a 2**-62 chance) exactly when they see the same files with
-        the same headers; non-negative and below 2**62, so that it and its negation fit in int64."""
+        the same headers and data digests; non-negative and below 2**62, so that it and its
+        negation fit in int64."""
         view = repr((sorted(self.digests.items()), self.known, self.index is not None)).encode()
         return int.from_bytes(hashlib.sha1(view).digest()[:8], "little") >> 2
+
+    def opened(self) -> dict[str, OpenFile]:
+        """This rank's open checkpoint files, by file key."""
+        if self.index is None:
+            return {}
+        return {os.path.basename(path): f for path, f in self.index.opened.files.items()
+                if path in self.index.files}
 
     def shared(self) -> SharedIndex:
         """This view as the whole checkpoint, for when every rank has seen the same whole one."""
         return SharedIndex(self.index, _root(self.source))
 
+    def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
 
-def local_view(source: str) -> LocalView:
-    """Index ``source`` as this rank sees it; shards it lacks and bad headers are noted, not raised."""
-    try:
-        local = open_checkpoint(source, missing_ok=True) if os.path.exists(source) else None
-    except ZloadError as e:
-        return LocalView(source, None, problems=[(type(e).__name__, str(e))])
-    if local is None:
-        return LocalView(source, None)
-    by_file: dict[str, list[TensorEntry]] = {os.path.basename(f): [] for f in local.files
-                                             if f not in local.absent}
-    for entry in local.tensors.values():
-        by_file[os.path.basename(entry.file)].append(entry)
-    digests = {k: _digest(v) for k, v in by_file.items()}
-    return LocalView(source, local, digests, sorted(os.path.basename(f) for f in local.files))
+
+def _data_fingerprint(opened: OpenFile, sample: bool) -> str:
+    """What ranks compare of a file's data besides its header: a sample of it (``sample``), but
+    nothing more for a file whose header records its data digest (a zload save)."""
+    if not sample or DIGEST_KEY in opened.metadata:
+        return ""
+    return sample_digest(opened.fd, opened.data_start, opened.identity.size)
+
+
+def local_view(source: str, verify: str = "sample") -> LocalView:
+    """Index ``source`` as this rank sees it. Shards it lacks are noted; bad headers, and any other
+    exception, become ``problems`` (never raised: every rank must reach the agreement step).
+
+    ``verify`` is ``load_into``'s: "sample" digests a sample of each file's data when there are
+    other ranks to compare with; "full" leaves the data to ``verify_fully``.
+    """
+    def index():
+        if not os.path.lexists(source):
+            return LocalView(source, None)
+        view = LocalView(source, open_checkpoint(source, missing_ok=True))
+        try:
+            sample = verify == "sample" and rank_and_world()[1] > 1  # alone, nothing to compare
+            view.digests = {key: (f.header_sha256, _data_fingerprint(f, sample))
+                            for key, f in view.opened().items()}
+        except BaseException:
+            view.close()
+            raise
+        view.known = sorted(os.path.basename(f) for f in view.index.files)
+        return view
+
+    view, problems = problems_of(f"indexing {source}", index)
+    return view or LocalView(source, None, problems=problems)
+
+
+def verify_fully(view: LocalView) -> None:
+    """``verify="full"``: digest every byte of every file this rank sees, into ``view.digests``.
+
+    Every rank must call it. The ranks that see the same physical file (same host, device and
+    inode) split its blocks among themselves, so each node reads each file once; a file whose
+    header records its digest (``zload.save``) must match it. Problems go to ``view.problems``.
+    """
+    rank, world = rank_and_world()
+    host = socket.gethostname()
+    files = view.opened()
+    mine = {key: (host, f.identity) for key, f in files.items()}
+    identities = exchange(mine)
+    groups = {key: [r for r, theirs in enumerate(identities) if theirs.get(key) == ident]
+              for key, ident in mine.items()}
+
+    def hash_my_blocks():
+        return {key: block_digests(f.fd, f.data_start, f.identity.size,
+                                   range(groups[key].index(rank), block_count(f.data_start, f.identity.size),
+                                         len(groups[key])), threads=reader_count())
+                for key, f in files.items()}
+
+    computed, problems = problems_of("digesting the checkpoint's files", hash_my_blocks)
+    everyone = exchange(computed)
+    view.problems += problems
+    if any(blocks is None for blocks in everyone):  # share_index raises, naming the rank
+        return
+    for key, f in files.items():
+        blocks = {}
+        for r in groups[key]:
+            blocks.update(everyone[r][key])
+        digest = data_digest(blocks, block_count(f.data_start, f.identity.size))
+        wrong = recorded_mismatch(f.path, f.metadata, digest)
+        if wrong:
+            view.problems.append(("CheckpointError", wrong))
+        view.digests[key] = (f.header_sha256, digest)
 
 
 def share_index(view: LocalView, what: str) -> SharedIndex | None:
@@ -118,8 +184,6 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
     """
     rank, world = rank_and_world()
     source = view.source
-    if world == 1:
-        return SharedIndex(open_checkpoint(source), _root(source)) if os.path.exists(source) else None
     local = view.index
     views = exchange((view.problems, view.digests, view.known, local is not None))
     raise_for([v[0] for v in views], what)
@@ -130,12 +194,17 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
     readers = {k: [r for r, v in enumerate(views) if k in v[1]] for k in keys}
     for key in keys:
         if not readers[key]:
+            where = "missing on every node" if world > 1 else "it does not exist"
             raise CheckpointError(f"{source}: '{key}' is part of the checkpoint but no rank can "
-                                  "read it (missing on every node)")
-        copies = {views[r][1][key] for r in readers[key]}
+                                  f"read it ({where})")
+        copies: dict[tuple[str, str], list[int]] = {}
+        for r in readers[key]:
+            copies.setdefault(tuple(views[r][1][key]), []).append(r)
         if len(copies) > 1:
-            raise CheckpointError(f"{key}: the copies of this file on ranks {readers[key]} differ "
-                                  f"(different headers); every node must hold the same checkpoint")
+            differ = "headers" if len({h for h, _ in copies}) > 1 else "data (same headers)"
+            groups = "; ".join(f"ranks {ranks}" for ranks in copies.values())
+            raise CheckpointError(f"{key}: the copies of this file differ in their {differ} between "
+                                  f"{groups}; every node must hold the same checkpoint")
     lacking = [k for k in keys if len(readers[k]) < world]
     if not lacking:
         return SharedIndex(local, _root(source))
@@ -154,7 +223,8 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
             for name, dtype, shape, start, nbytes in rows:
                 tensors[name] = TensorEntry(name, os.path.join(root, key), dtype, tuple(shape), start, nbytes)
     files = tuple(os.path.join(root, k) for k in keys)
-    index = CheckpointIndex(local.source if local else source, files, tensors)
+    index = CheckpointIndex(local.source if local else source, files, tensors,
+                            opened=local.opened if local else FileTable())
     remote = frozenset(os.path.join(root, k) for k in lacking if rank not in readers[k])
     return SharedIndex(index, root, {k: readers[k] for k in lacking}, remote)
 
@@ -200,7 +270,8 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     problems: list[tuple[str, str]] = []
     capacity = max(_ALIGN * 2, staging_bytes // 2)
     outboxes = inboxes = None  # allocated once, when first needed; fresh ones would page-fault
-    with RangeReader() as reader:  # its files and threads serve every batch this rank reads
+    # reads and writes turn their failures into problems; what can raise here is the transport
+    with RangeReader(shared.index.opened) as reader, collective():  # one reader for every batch
         for requester in range(world):
             for server in sorted({w[0] for w in everyone[requester]}):
                 if rank == server:
