@@ -108,25 +108,31 @@ def checkpoint_dir(cache: str, config, shard: str) -> str:
                                f"-v{c.vocab_size}-shard{shard}")
 
 
+def bf16_llama(config):
+    """A plain ``LlamaForCausalLM`` built directly in bf16 (no fp32 copy on the way)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return LlamaForCausalLM(config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def ensure_checkpoint(folder: str, config, shard: str) -> None:
     """Write the checkpoint unless a complete one is there (safe if several nodes share the cache)."""
     marker = os.path.join(folder, "zload-bench-complete")
     if os.path.exists(marker):
         return
     import torch
-    from transformers import LlamaForCausalLM
 
     os.makedirs(os.path.dirname(folder), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".tmp-", dir=os.path.dirname(folder))
     started = time.perf_counter()
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model = model.to(torch.bfloat16)
+    model = bf16_llama(config)
     model.save_pretrained(tmp, max_shard_size=shard)
     del model
     with open(os.path.join(tmp, "zload-bench-complete"), "w") as f:
@@ -181,7 +187,8 @@ def page_cache_residency(folder: str) -> float | None:
 def checkpoint_bytes(folder: str) -> int:
     from zload.index import open_checkpoint
 
-    return open_checkpoint(folder).total_bytes
+    with open_checkpoint(folder) as index:
+        return index.total_bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +381,8 @@ def verify_partitions(model, folder: str) -> dict:
     from zload.index import DTYPES, open_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    entries = open_checkpoint(folder).tensors
+    with open_checkpoint(folder) as index:
+        entries = index.tensors
     problems, checked, fds = [], 0, {}
     try:
         for name, p in model.named_parameters():
@@ -417,7 +425,9 @@ def _method_floor(folder: str, meter: Meter, args) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ranges = []
-    for e in sorted(open_checkpoint(folder).tensors.values(), key=lambda e: (e.file, e.start)):
+    with open_checkpoint(folder) as index:
+        entries = sorted(index.tensors.values(), key=lambda e: (e.file, e.start))
+    for e in entries:
         ps = -(-e.numel // world)  # a rank's ZeRO-3 partition: ceil(numel / W) elements
         lo = rank * ps
         n = max(0, min(ps, e.numel - lo))
@@ -470,14 +480,16 @@ def _method_zload(folder: str, meter: Meter, args, use_init: bool) -> dict:
         model = LlamaForCausalLM(config)
     meter.end("construct")
     meter.begin("load")
-    report = zload.load_into(model, folder, progress=False, staging_bytes=args.staging_bytes)
+    report = zload.load_into(model, folder, progress=False, staging_bytes=args.staging_bytes,
+                             verify=args.load_verify)
     meter.end("load")
     meter.end("total")
     verified = verify_partitions(model, folder) if args.verify else None
     # Diagnostic, not a headline number: the same load again in this process, where one-time costs
     # (lazy imports, transformers' conversion mapping, thread start-up) are already paid.
     meter.begin("reload")
-    zload.load_into(model, folder, progress=False, staging_bytes=args.staging_bytes)
+    zload.load_into(model, folder, progress=False, staging_bytes=args.staging_bytes,
+                    verify=args.load_verify)
     meter.end("reload")
     return {"bytes_read": report.bytes_read, "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received, "report_seconds": report.seconds,
@@ -600,7 +612,8 @@ def _cuda_available() -> bool:
 
 def _worker_args(method: str, folder: str, result_dir: str, args) -> list[str]:
     cmd = [WORKER, "--worker", method, "--checkpoint", folder, "--result-dir", result_dir,
-           "--staging-bytes", str(args.staging_bytes), "--model-dtype", args.model_dtype]
+           "--staging-bytes", str(args.staging_bytes), "--model-dtype", args.model_dtype,
+           "--load-verify", args.load_verify]
     return cmd + ([] if args.verify else ["--no-verify"])
 
 
@@ -876,7 +889,8 @@ def markdown(data: dict) -> str:
         + (f", {host.get('gpu_count')}x {host['gpu']}" if host.get("gpu") else "")
         + f"; torch {host['torch']}, deepspeed {host.get('deepspeed')}, transformers "
         f"{host.get('transformers')}, zload {host.get('zload')} ({host.get('zload_commit', '?')}).",
-        f"Backend {data['backend']}; page cache warm ({_residency(data)}). Median of the runs shown; each run is a fresh world; every number is the max over ranks.",
+        f"Backend {data['backend']}; load_into(verify={data.get('load_verify', 'sample')!r}); "
+        f"page cache warm ({_residency(data)}). Median of the runs shown; each run is a fresh world; every number is the max over ranks.",
         "",
         ("| checkpoint | W | method | load s | construct + load s | load GB/s | peak RSS / rank MB "
          "| RSS growth in load MB | " + ("peak GPU / rank MB | " if gpu else "")
@@ -1053,6 +1067,8 @@ def parse_args(argv=None):
                    help="dtype of the zload models' partitions (default bfloat16, as the checkpoint: read "
                         "straight into them; another dtype goes through staging and the cast kernel)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per launched world")
+    p.add_argument("--load-verify", default="sample", choices=("sample", "full"),
+                   help="load_into's verify= for the zload methods (default sample, as load_into's)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking every partition against the checkpoint after each load")
     p.add_argument("--render", metavar="JSON",
@@ -1191,6 +1207,7 @@ def main(argv=None) -> int:
                   else "python -m torch.distributed.run per measurement",
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "cores // W (set per launch)"),
         "staging_bytes": args.staging_bytes,
+        "load_verify": args.load_verify,
         "checkpoints": checkpoints,
         "results": results,
         "seconds": round(time.perf_counter() - started, 1),

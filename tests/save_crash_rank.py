@@ -18,6 +18,8 @@ CRASH_AT (the names are those of ``zload/save.py`` and ``zload/savedir.py``):
   raise     ``_pwrite_all`` raises OSError(EIO) (a failure, not a kill)
   raise-create  ``_create_files`` raises OSError(ENOSPC) after creating the first file (rank 0)
   raise-commit  ``SaveFolder._commit`` raises OSError(EACCES) (rank 0, the new shards moved in)
+  raise-pack    ``_pack`` raises OSError(EIO) (a rank preparing the slices it streams, SHARED=0)
+  raise-digest  ``data_digest`` raises OSError(EDQUOT) (rank 0, recording the digests)
 """
 
 import errno
@@ -88,6 +90,8 @@ def install_crash(point: str) -> None:
         "finish": (folder, "finish", {"before": die}),
         "raise": ("zload.save", "_pwrite_all", {"before": _fail(errno.EIO, "injected write failure")}),
         "raise-commit": (folder, "_commit", {"before": _fail(errno.EACCES, "injected: permission denied")}),
+        "raise-pack": ("zload.save", "_pack", {"before": _fail(errno.EIO, "injected: cannot read")}),
+        "raise-digest": ("zload.save", "data_digest", {"before": _fail(errno.EDQUOT, "injected: quota exceeded")}),
     }
     if point in points:
         owner, name, when = points[point]

@@ -19,8 +19,9 @@ from .harness import run_world
 from .zero3 import assert_unchanged, build_zero, recorded_warnings, snapshot
 
 
-def _load_expecting_error(path, node_dirs=None):
-    """Load ``path``; return the error each rank raised, after proving the model untouched.
+def load_on_nodes(path, node_dirs=None, **load_kwargs):
+    """Load ``path``; return the error each rank raised (after proving the model untouched), or
+    None when the load succeeded.
 
     With ``node_dirs``, rank r resolves ``path`` (relative) inside ``node_dirs[r]``: the same
     path names different files on different ranks, as with node-local copies of a checkpoint.
@@ -31,13 +32,19 @@ def _load_expecting_error(path, node_dirs=None):
     try:
         if node_dirs:
             os.chdir(node_dirs[dist.get_rank()])
-        zload.load_into(model, path)
+        zload.load_into(model, path, **load_kwargs)
     except zload.ZloadError as e:
         assert_unchanged(model, before)
         return type(e).__name__, str(e)
     finally:
         os.chdir(cwd)
-    raise AssertionError("load_into accepted a bad checkpoint")
+    return None
+
+
+def _load_expecting_error(path, node_dirs=None):
+    error = load_on_nodes(path, node_dirs)
+    assert error is not None, "load_into accepted a bad checkpoint"
+    return error
 
 
 def _shard_holding(folder, tensor):

@@ -18,7 +18,7 @@ import zload
 from . import models
 from .checkpoints import save_sharded
 from .harness import run_world, run_world_where_ranks_die
-from .test_bad_inputs import _load_expecting_error
+from .test_bad_inputs import _load_expecting_error, load_on_nodes
 from .zero3 import assert_unchanged, build_zero, check_against, snapshot
 
 SHARD = "model-00001-of-00002.safetensors"
@@ -207,22 +207,6 @@ def test_two_zload_saves_never_share_a_header(tmp_path):
     assert kind == "CheckpointError" and "differ in their headers" in message
 
 
-def _load_verifying(path, node_dirs, verify):
-    model = build_zero(models.Awkward)
-    before = snapshot(model)
-    cwd = os.getcwd()
-    try:
-        if node_dirs:
-            os.chdir(node_dirs[dist.get_rank()])
-        zload.load_into(model, path, verify=verify)
-    except zload.ZloadError as e:
-        assert_unchanged(model, before)
-        return type(e).__name__, str(e)
-    finally:
-        os.chdir(cwd)
-    return None
-
-
 def test_full_verification_catches_what_the_sample_does_not_look_at(tmp_path):
     """One element differs between the nodes' copies, in a region no sample window covers."""
     state = models.state_with_seed(models.Awkward, seed=1)
@@ -231,7 +215,7 @@ def test_full_verification_catches_what_the_sample_does_not_look_at(tmp_path):
     other = shutil.copytree(folder, tmp_path / "node1" / "ckpt")
     _flip_data(other, "cube", element=50_000)  # byte 200,000 of cube: between two windows
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    kind, message = _same_error(run_world(2, _load_verifying, "ckpt", nodes, "full", timeout=60))
+    kind, message = _same_error(run_world(2, load_on_nodes, "ckpt", nodes, verify="full", timeout=60))
     assert kind == "CheckpointError" and "differ in their data (same headers)" in message
 
 
@@ -243,8 +227,8 @@ def test_full_verification_checks_the_digest_zload_save_recorded(tmp_path, world
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 0x01
     shard.write_bytes(raw)
-    assert _same_error(run_world(world, _load_verifying, tmp_path / "ckpt", None, "sample")) is None
-    kind, message = _same_error(run_world(world, _load_verifying, tmp_path / "ckpt", None, "full"))
+    assert _same_error(run_world(world, load_on_nodes, tmp_path / "ckpt")) is None
+    kind, message = _same_error(run_world(world, load_on_nodes, tmp_path / "ckpt", verify="full"))
     assert kind == "CheckpointError" and f"{shard}: its data do not match the digest recorded" in message
 
 

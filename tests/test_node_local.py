@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 import zload
 
@@ -195,3 +196,23 @@ def test_conversion_slow_path_reads_on_the_node_with_the_files(tmp_path):
     nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "node1"]
     for slow_path in run_world(3, _load_transposed_on_node, nodes, tmp_path / "node0" / "ckpt"):
         assert len(slow_path) == 2
+
+
+def test_shards_with_one_name_in_two_subfolders(tmp_path):
+    """Files are named to other ranks by their path in the checkpoint folder, not their base name:
+    a/x.safetensors and b/x.safetensors are two files."""
+    state = models.state_with_seed(models.Awkward, seed=35)
+    folder = tmp_path / "node0" / "ckpt"
+    names = sorted(state)
+    weight_map = {}
+    for sub, part in (("a", names[::2]), ("b", names[1::2])):
+        (folder / sub).mkdir(parents=True)
+        save_file({n: state[n] for n in part}, str(folder / sub / "x.safetensors"))
+        weight_map.update(dict.fromkeys(part, f"{sub}/x.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    reference = tmp_path / "reference.pt"
+    torch.save(state, reference)
+    (tmp_path / "node1").mkdir()
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    results = run_world(2, _load_on_node, nodes, reference, 256)
+    assert results[1][0] == 0 and results[1][2] > 0

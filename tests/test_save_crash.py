@@ -200,11 +200,7 @@ def test_a_killed_save_leaves_a_whole_checkpoint_and_nothing_the_next_save_keeps
         assert STATE_LEFT[crash_at] in r["message"], r
 
     # A reader finds a whole checkpoint: the old one until the commit point, the new one after.
-    # From a single file to shards, the commit point is the single file's removal (it hides the
-    # index from from_pretrained and zload alike).
-    new = _state(61) if crash_at in AFTER_COMMIT and not (crash_at == "committed" and previous == "single") \
-        else None
-    assert _same(_reader_sees(out), new or old)
+    assert _same(_reader_sees(out), _state(61) if crash_at in AFTER_COMMIT else old)
     assert _others(out) == others
     assert sorted(p.name for p in out.parent.iterdir()) == (["out"] if os.path.lexists(out) else [])
 
@@ -229,23 +225,27 @@ def test_a_save_replaces_only_its_own_files(tmp_path, source, world, shared):
     assert legacy.is_dir()  # named in a warning, not removed: no lock tells whether it still runs
 
 
-FAILURES = [
-    ("raise", 1, 3, "sharded", "injected write failure"),  # rank 1's write raises OSError(EIO)
-    ("raise-create", 0, 2, "none", "injected: no space left"),  # rank 0 fails creating the shards
-    ("raise-commit", 0, 2, "single", "injected: permission denied"),  # the commit rename fails
+FAILURES = [  # (CRASH_AT, failing rank, world size, shared_filesystem, OUT before, message)
+    ("raise", 1, 3, None, "sharded", "injected write failure"),  # rank 1's write raises OSError(EIO)
+    ("raise", 0, 2, False, "single", "injected write failure"),  # rank 0, writing what it streams
+    ("raise-pack", 2, 3, False, "none", "injected: cannot read"),  # rank 2, preparing its slices
+    ("raise-create", 0, 2, None, "none", "injected: no space left"),  # creating the shards
+    ("raise-digest", 0, 2, None, "sharded", "injected: quota exceeded"),  # recording the digests
+    ("raise-commit", 0, 2, None, "single", "injected: permission denied"),  # the commit rename
 ]
 
 
-@pytest.mark.parametrize("crash_at,crash_rank,world,previous,expected", FAILURES,
-                         ids=[f"{f[0]}-rank{f[1]}-of-{f[2]}" for f in FAILURES])
+@pytest.mark.parametrize("crash_at,crash_rank,world,shared,previous,expected", FAILURES,
+                         ids=[f"{f[0]}-rank{f[1]}-of-{f[2]}{'-stream' if f[3] is False else ''}"
+                              for f in FAILURES])
 def test_a_failed_save_raises_on_every_rank_and_cleans_up(tmp_path, source, crash_at, crash_rank,
-                                                         world, previous, expected):
+                                                         world, shared, previous, expected):
     """One rank hits an OSError: every rank raises the same ZloadError; no hang, no trace left."""
     out = tmp_path / "out"
     _prepare(out, previous)
     before = _tree(out)
     rc, results, killed, log = _run_job(tmp_path, source[0], out, world, crash_at=crash_at,
-                                        crash_rank=crash_rank)
+                                        crash_rank=crash_rank, shared=shared)
     assert rc != 0 and not killed
     assert sorted(results) == list(range(world)), log[-5000:]
     assert all(r["error_type"] == "ZloadError" for r in results.values()), results

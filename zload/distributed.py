@@ -13,6 +13,7 @@ import traceback
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import torch
 import torch.distributed as dist
 
 from . import errors
@@ -28,12 +29,15 @@ def rank_and_world() -> tuple[int, int]:
 
 def comm_device():
     """Where the backend takes tensors: the current GPU for NCCL, else the CPU (gloo)."""
-    import torch
 
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
+
+# The status byte that ends each batch one rank sends another point to point: a rank that failed
+# still sends (and receives) every batch it owes, marked failed, so its peer never waits forever.
+BATCH_OK, BATCH_FAILED = 0, 1
 
 _stage: ContextVar[tuple[str, str]] = ContextVar("zload_stage", default=("communicating", ""))
 
@@ -55,7 +59,7 @@ def collective():
     peer process is gone; it becomes a ``PeerLostError`` that names the step and the state left."""
     try:
         yield
-    except (RecursionError, NotImplementedError):  # RuntimeErrors that are no communication failure
+    except (RecursionError, NotImplementedError, torch.OutOfMemoryError):  # no transport failures
         raise
     except RuntimeError as e:
         what, leaves = _stage.get()
@@ -82,7 +86,6 @@ def reduce_max(values: list[int]) -> list[int]:
     _, world = rank_and_world()
     if world == 1:
         return list(values)
-    import torch
 
     tensor = torch.tensor(values, dtype=torch.int64, device=comm_device())
     with collective():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import struct
 import warnings
@@ -95,10 +96,21 @@ class CheckpointIndex:
         self.close()
 
 
+def _brief(value, limit: int = 200) -> str:
+    """``repr(value)``, cut short: a hostile header must not make a 100 MB error message that
+    every rank then exchanges."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the only way JSON text holds a surrogate
+
+
 def _strict_json(text: str, what: str):
     """``json.loads`` refusing what serde_json (safetensors' parser) refuses and Python accepts:
     ``-0`` as an integer, NaN and Infinity, lone surrogates; and duplicate keys, which it
-    silently resolves. Deep nesting is a ``ValueError`` here, not a ``RecursionError``."""
+    silently resolves. Deep nesting is a ``ValueError`` here, not a ``RecursionError``. The
+    checks that cost a call per value run only when the text could need them."""
 
     def integer(literal: str) -> int:
         if literal == "-0":
@@ -108,21 +120,25 @@ def _strict_json(text: str, what: str):
     def constant(literal: str):
         raise ValueError(f"{literal} is not JSON")
 
+    surrogates = _SURROGATE_ESCAPE.search(text) is not None
+
     def strict_object(pairs):
         seen = {}
         for key, value in pairs:
-            for text_ in (key, value) if isinstance(value, str) else (key,):
-                try:
-                    text_.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise ValueError(f"string {text_!r} holds a lone surrogate (not Unicode)") from None
+            if surrogates:
+                for text_ in (key, value) if isinstance(value, str) else (key,):
+                    try:
+                        text_.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ValueError(f"string {_brief(text_)} holds a lone surrogate (not "
+                                         "Unicode)") from None
             if key in seen:
-                raise ValueError(f"duplicate key '{key}'")
+                raise ValueError(f"duplicate key {_brief(key)}")
             seen[key] = value
         return seen
 
     try:
-        return json.loads(text, parse_int=integer, parse_constant=constant,
+        return json.loads(text, parse_int=integer if "-0" in text else None, parse_constant=constant,
                           object_pairs_hook=strict_object)
     except RecursionError:
         raise ValueError(f"{what} is nested too deeply") from None
@@ -134,30 +150,31 @@ def _is_u64(value) -> bool:
 
 def _parse_entry(path: str, name: str, raw, data_start: int) -> TensorEntry:
     def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: tensor '{name}': {why}")
+        return CheckpointError(f"{path}: tensor {_brief(name)}: {why}")
 
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
-        raise bad(f"header entry must have exactly dtype, shape and data_offsets, got {raw!r}")
+        raise bad(f"header entry must have exactly dtype, shape and data_offsets, got {_brief(raw)}")
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise bad(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        raise bad(f"unknown dtype {_brief(dtype)} (known: {', '.join(DTYPES)})")
     if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
-        raise bad(f"shape must be a list of non-negative 64-bit integers, got {shape!r}")
+        raise bad(f"shape must be a list of non-negative 64-bit integers, got {_brief(shape)}")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(_is_u64(o) for o in offsets) or offsets[0] > offsets[1]):
-        raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end < 2**64, got {offsets!r}")
+        raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end < 2**64, got "
+                  f"{_brief(offsets)}")
     numel = 1
     for dim in shape:  # as safetensors multiplies: left to right, any overflow refused
         numel *= dim
         if numel > _U64_MAX:
-            raise bad(f"shape {shape} has more than 2**64 elements")
+            raise bad(f"shape {_brief(shape)} has more than 2**64 elements")
     if numel * DTYPES[dtype][1] * 8 > _U64_MAX:
-        raise bad(f"shape {shape} of {dtype} has more than 2**64 bits")
+        raise bad(f"shape {_brief(shape)} of {dtype} has more than 2**64 bits")
     begin, end = offsets
     expected = numel * DTYPES[dtype][1]
     if end - begin != expected:
-        raise bad(f"data_offsets {offsets} hold {end - begin} bytes but shape {shape} of {dtype} "
-                  f"needs {expected}")
+        raise bad(f"data_offsets {offsets} hold {end - begin} bytes but shape {_brief(shape)} of "
+                  f"{dtype} needs {expected}")
     return TensorEntry(name, path, dtype, tuple(shape), data_start + begin, end - begin)
 
 
@@ -210,12 +227,12 @@ def parse_header(opened: OpenFile) -> dict[str, TensorEntry]:
     for entry in sorted(entries.values(), key=lambda e: (e.start, e.nbytes)):
         if entry.start != cursor:
             where = f"overlaps '{previous}'" if entry.start < cursor else "leaves a gap before it"
-            raise CheckpointError(f"{path}: tensor '{entry.name}' at data offset "
+            raise CheckpointError(f"{path}: tensor {_brief(entry.name)} at data offset "
                                   f"{entry.start - data_start} {where}")
         cursor, previous = entry.start + entry.nbytes, entry.name
     if cursor != file_size:
         if cursor > file_size:
-            raise CheckpointError(f"{path}: tensor '{previous}' ends at byte {cursor} but the file "
+            raise CheckpointError(f"{path}: tensor {_brief(previous)} ends at byte {cursor} but the file "
                                   f"has only {file_size} bytes (truncated?)")
         raise CheckpointError(f"{path}: {file_size - cursor} bytes after the last tensor are not "
                               f"described by the header")
@@ -271,7 +288,7 @@ def _index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) 
         paths[shard] = shard_path(folder, shard)
         if paths[shard] is None:
             tensor = next(name for name, s in weight_map.items() if s == shard)
-            raise CheckpointError(f"{index_path}: tensor '{tensor}' is mapped to {shard!r}, which is "
+            raise CheckpointError(f"{index_path}: tensor {_brief(tensor)} is mapped to {_brief(shard)}, which is "
                                   f"not a file inside the checkpoint folder {folder}")
     tensors: dict[str, TensorEntry] = {}
     absent: set[str] = set()  # shard names
@@ -287,15 +304,15 @@ def _index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) 
             pass  # open_regular names the problem
         for name, entry in parse_header(table.add(open_regular(paths[shard]))).items():
             if name in tensors:
-                raise CheckpointError(f"{paths[shard]}: tensor '{name}' also appears in "
+                raise CheckpointError(f"{paths[shard]}: tensor {_brief(name)} also appears in "
                                       f"{tensors[name].file}")
             if weight_map.get(name) != shard:
-                raise CheckpointError(f"{paths[shard]}: tensor '{name}' is not listed for this shard "
+                raise CheckpointError(f"{paths[shard]}: tensor {_brief(name)} is not listed for this shard "
                                       f"in {index_path}")
             tensors[name] = entry
     for name, shard in weight_map.items():
         if name not in tensors and shard not in absent:
-            raise CheckpointError(f"{paths[shard]}: tensor '{name}' listed in {index_path} is not in "
+            raise CheckpointError(f"{paths[shard]}: tensor {_brief(name)} listed in {index_path} is not in "
                                   f"the shard")
     return CheckpointIndex(index_path, tuple(paths[s] for s in shards), tensors,
                            tuple(paths[s] for s in sorted(absent)), table)

@@ -16,13 +16,26 @@ import secrets
 import time
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from math import prod
+
+import numpy
 
 import torch
 
 from .collector import collector_paused
 from .digest import DIGEST_KEY, DIGEST_PLACEHOLDER, block_count, block_digests, data_digest
-from .distributed import agree, collective, comm_device, exchange, problems_of, rank_and_world, stage
+from .distributed import (
+    BATCH_FAILED,
+    BATCH_OK,
+    agree,
+    collective,
+    comm_device,
+    exchange,
+    problems_of,
+    rank_and_world,
+    stage,
+)
 from .errors import ZloadError, ZloadWarning
 from .execute import reader_count
 from .index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
@@ -293,9 +306,15 @@ def _write_local(items, sources, folder: str, buffer_bytes: int) -> int:
     return written
 
 
-def _stream_to_rank0(items, sources, folder: str, buffer_bytes: int) -> int:
+def _stream_to_rank0(items, sources, folder: str, buffer_bytes: int,
+                     problems: list) -> tuple[int, list]:
     """No shared filesystem: every rank sends its slices to rank 0, one bounded batch at a time,
-    ranks in order; rank 0 writes them. Returns bytes this rank wrote or sent."""
+    ranks in order; rank 0 writes them. Returns (bytes this rank wrote or sent, problems).
+
+    Each batch ends in a status byte. A rank that fails (``problems`` on entry, or while preparing
+    or writing) still sends or receives every batch it owes, marked failed or left unwritten, so
+    no rank waits for one that gave up; the caller agrees on the problems.
+    """
     import torch.distributed as dist
 
     rank, world = rank_and_world()
@@ -303,30 +322,53 @@ def _stream_to_rank0(items, sources, folder: str, buffer_bytes: int) -> int:
     mine = _batch(items, buffer_bytes)
     batches = exchange([[(i.file, i.offset, i.nbytes) for i in batch] for batch in mine])
     if rank == 0:
-        done = _write_local(items, sources, folder, buffer_bytes)
+        done = 0
+        if not problems:
+            done, problems = problems_of("writing", lambda: _write_local(items, sources, folder, buffer_bytes))
         files = _Files(folder)
-        try:
-            for sender in range(1, world):
-                for batch in batches[sender]:
-                    incoming = torch.empty(sum(n for _, _, n in batch), dtype=torch.uint8, device=device)
-                    with collective():
-                        dist.recv(incoming, src=sender)
-                    data, position = memoryview(incoming.cpu().numpy()), 0
-                    for file, offset, nbytes in batch:
-                        _pwrite_all(files.fd(file), data[position:position + nbytes], offset)
-                        position += nbytes
-                    done += len(data)
-        finally:
-            files.close(sync=True)
-        return done
+        for sender in range(1, world):
+            for batch in batches[sender]:
+                incoming = torch.empty(sum(n for _, _, n in batch) + 1, dtype=torch.uint8, device=device)
+                with collective():
+                    dist.recv(incoming, src=sender)
+                if problems:
+                    continue  # the save has failed: keep receiving, write no more
+                if int(incoming[-1]) != BATCH_OK:
+                    problems = [("ZloadError", f"rank {sender} could not send its slices (see its "
+                                               "problem)")]
+                    continue
+                _, problems = problems_of(f"writing the slices rank {sender} sent",
+                                          partial(_write_batch, files, batch, incoming[:-1].cpu()))
+                done += 0 if problems else len(incoming) - 1
+        _, closed = problems_of("closing the files", lambda: files.close(sync=True))
+        return done or 0, problems or closed
     sent = 0
     for batch in mine:
-        payload = torch.cat([torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                             for item in batch for _, data in _chunks(item, sources[item.target], 1 << 62)])
+        payload = torch.empty(sum(i.nbytes for i in batch) + 1, dtype=torch.uint8)
+        if not problems:
+            _, problems = problems_of("preparing the slices for rank 0",
+                                      partial(_pack, batch, sources, payload))
+        payload[-1] = BATCH_FAILED if problems else BATCH_OK
         with collective():
             dist.send(payload.to(device), dst=0)
-        sent += payload.numel()
-    return sent
+        sent += len(payload) - 1
+    return sent, problems
+
+
+def _pack(batch: list[WriteItem], sources, payload: torch.Tensor) -> None:
+    """``batch``'s bytes, cast, one after another at the start of ``payload``."""
+    out, position = payload.numpy(), 0
+    for item in batch:
+        for _, data in _chunks(item, sources[item.target], 1 << 62):
+            out[position:position + len(data)] = numpy.frombuffer(data, dtype=numpy.uint8)
+            position += len(data)
+
+
+def _write_batch(files: _Files, batch, data: torch.Tensor) -> None:
+    view, position = memoryview(data.numpy()), 0
+    for file, offset, nbytes in batch:
+        _pwrite_all(files.fd(file), view[position:position + nbytes], offset)
+        position += nbytes
 
 
 def _batch(items: list[WriteItem], buffer_bytes: int) -> list[list[WriteItem]]:
@@ -434,21 +476,23 @@ def _record_digests(files: list[OutFile], folder: str, writers: int, failed: str
 
     digests, problems = problems_of("reading the written files back for their digests", hash_mine)
     agree(problems, failed)
-    if rank != 0:
-        exchange(digests)
-        return
     gathered = {}
     for part in exchange(digests):
         gathered.update(part)
-    for f in files:
-        count = block_count(len(f.header), f.size)
-        digest = data_digest({k: gathered[(f.name, k)] for k in range(count)}, count)
-        fd = os.open(os.path.join(folder, f.name), os.O_WRONLY)
-        try:
-            _pwrite_all(fd, memoryview(digest.encode()), f.digest_at)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+
+    def record():
+        for f in files:
+            count = block_count(len(f.header), f.size)
+            digest = data_digest({k: gathered[(f.name, k)] for k in range(count)}, count)
+            fd = os.open(os.path.join(folder, f.name), os.O_WRONLY)
+            try:
+                _pwrite_all(fd, memoryview(digest.encode()), f.digest_at)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    _, problems = problems_of("recording the digests", lambda: rank == 0 and record())
+    agree(problems, failed)
 
 
 def _stage_configs(module, folder: str) -> list[str]:
@@ -542,13 +586,13 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
             shared = all(exchange(_sees(os.path.join(staging, LOCK), token))) \
                 if shared_filesystem is None else shared_filesystem
 
-            def write():
-                sources = _sources(targets, master_weights)
-                if shared:
-                    return _write_local(items, sources, staging, buffer_bytes)
-                return _stream_to_rank0(items, sources, staging, buffer_bytes)
-
-            written, problems = problems_of("writing", write)
+            sources, problems = problems_of("finding the partitions to write",
+                                            lambda: _sources(targets, master_weights))
+            if not shared:
+                written, problems = _stream_to_rank0(items, sources, staging, buffer_bytes, problems)
+            elif not problems:
+                written, problems = problems_of(
+                    "writing", lambda: _write_local(items, sources, staging, buffer_bytes))
             agree(problems, failed)
             converted_bytes, gathered = _write_converted(module, targets, files, staging, shared,
                                                          master_weights, failed)
@@ -567,8 +611,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
         if rank == 0:
             folder.abort()
         raise
-    finally:
-        for note in folder.notes if folder else []:  # point at the caller's save() line
-            warnings.warn(note, ZloadWarning, stacklevel=3)
+    for note in folder.notes if folder else []:  # point at the caller's save() line
+        warnings.warn(note, ZloadWarning, stacklevel=3)
     return SaveReport(final, [f.name for f in files], sum(f.size for f in files), written, gathered,
                       time.perf_counter() - started)

@@ -6,17 +6,21 @@ zload owns only the files it writes: the weights (``model.safetensors``, or shar
 (``config.json``, ``generation_config.json``, ``adapter_config.json``). Everything else in the
 folder is left as it is. A save, run by rank 0 here:
 
-1. ``begin``: refuses a path that is not a folder, refuses while another save into the folder is
-   running, and creates a hidden staging folder ``.zload-save-<token>`` inside it, locked (flock)
-   for as long as the save runs. Every rank writes the new files there.
-2. ``commit``: records in the staging folder which files it will create and which earlier files
-   of the same weights name will become stale; moves the new shards in under names no file has;
-   then renames the index (or the single file) into place: the commit point, before which a
-   reader finds the old checkpoint and after which the new one (``from_pretrained`` and zload both
-   prefer ``model.safetensors`` to the index, so when a single file gives way to shards, removing
-   it is the commit point). Then the configs replace theirs, and the stale files are removed.
-3. Staging folders of saves that were killed (their lock is free) are cleaned up by the next save
-   into the folder: the files they record are removed unless the current checkpoint uses them.
+1. ``begin``: refuses a path that is not a folder, and creates a hidden staging folder
+   ``.zload-save-<token>`` inside it, locked (flock) for as long as the save runs; while another
+   save into the folder holds its lock, the save is refused. Every rank writes the new files there.
+2. ``commit``: records in the staging folder (its manifest) the files it will create and the
+   earlier files of the same weights name that will become stale, each with its identity (device,
+   inode, size, modification time);
+   moves the new shards in under names no file has; renames the index (or the single file) into
+   place, and, when a single file gives way to shards, removes the single file (``from_pretrained``
+   and zload both prefer it to an index). That is the commit point: before it a reader finds the
+   old checkpoint, after it the new one. Then the configs replace theirs and the stale files go.
+3. The staging folders of killed saves (their lock is free) are cleaned up by the next save into
+   the folder, as its last step: one that had not committed is rolled back (the files it created
+   are removed), one that had is rolled forward (its configs moved in, its stale files removed).
+   A file is removed only if it is still the one recorded (same identity) and the current
+   checkpoint does not use it.
 """
 
 from __future__ import annotations
@@ -33,14 +37,14 @@ import stat
 
 from .errors import ZloadError
 from .files import FileTable, open_regular
-from .index import MAX_INDEX_BYTES, shard_path
+from .index import MAX_INDEX_BYTES, _read_weight_map, shard_path
 
 STAGING_PREFIX = ".zload-save-"
 LOCK = "lock"  # in the staging folder: flocked by the running save; says who it is
 MANIFEST = "manifest.json"  # in the staging folder: what the commit creates and makes stale
-_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF)
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 # names zload may remove: its weights files and indexes (a manifest is checked against this)
-_WEIGHTS_NAME = re.compile(r"[^/\\]+\.safetensors(\.index\.json)?")
+_WEIGHTS_NAME = re.compile(r"[^/\\\x00]+\.safetensors(\.index\.json)?")
 
 
 def index_name(single: str) -> str:
@@ -61,6 +65,23 @@ def _fsync_dir(folder: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_json(path: str, content) -> None:
+    """Write, fsync and rename into place: the file is whole or absent."""
+    with open(path + ".partial", "w") as out:
+        json.dump(content, out, indent=2, sort_keys=True)
+        out.write("\n")
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(path + ".partial", path)
+
+
+def _read_json(path: str):
+    """A small JSON file of ours, read without blocking on whatever was put in its place."""
+    with FileTable() as table:
+        opened = table.add(open_regular(path))
+        return json.loads(os.pread(opened.fd, min(opened.identity.size, MAX_INDEX_BYTES), 0))
 
 
 def check_target(final: str) -> None:
@@ -87,41 +108,49 @@ def _referenced(folder: str, single: str) -> tuple[set[str], set[str]]:
     shards: set[str] = set()
     if os.path.lexists(os.path.join(folder, index)):
         names.add(index)
-        try:  # never blocks: a FIFO or a device there is refused, not opened
+        try:
             with FileTable() as table:
-                opened = table.add(open_regular(os.path.join(folder, index)))
-                text = os.pread(opened.fd, min(opened.identity.size, MAX_INDEX_BYTES), 0)
-            weight_map = json.loads(text).get("weight_map", {})
-            shards = {s for s in set(weight_map.values()) if isinstance(s, str)
-                      and s == os.path.basename(s) and shard_path(folder, s) is not None}
-        except (ZloadError, OSError, ValueError, AttributeError, RecursionError):
+                weight_map = _read_weight_map(os.path.join(folder, index), table)
+            shards = {s for s in set(weight_map.values())
+                      if s == os.path.basename(s) and shard_path(folder, s) is not None}
+        except ZloadError:
             pass  # an unreadable index: its shards are not known, so none of them is touched
     names |= shards
     used = {single} if single in names else ({index} | shards if index in names else set())
     return used, names
 
 
-def _removable(folder: str, name: str) -> bool:
-    """A name zload may remove from ``folder``: a weights file or index, directly in it, and a
-    file or a link (never a folder)."""
-    if not _WEIGHTS_NAME.fullmatch(name) or name in (".", ".."):
-        return False
+def _identity(path: str) -> list[int] | None:
+    """What tells a file from another that took its name since: an inode number alone can be
+    reused once the file is gone."""
     try:
-        mode = os.lstat(os.path.join(folder, name)).st_mode
-    except OSError:
-        return False
-    return stat.S_ISREG(mode) or stat.S_ISLNK(mode)
+        st = os.lstat(path)
+    except (OSError, ValueError):
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-def _remove(folder: str, names) -> list[str]:
-    """Remove ``names`` that zload may remove; returns those that could not be removed."""
+def _remove(folder: str, names: dict[str, list[int] | None]) -> list[str]:
+    """Remove each of ``names`` that zload may remove: a weights file or index directly in
+    ``folder``, a file or a link (never a folder), and still the file recorded (its identity,
+    where one is given). Returns those that should have gone but could not."""
     failed = []
-    for name in names:
-        if _removable(folder, name):
-            try:
-                os.remove(os.path.join(folder, name))
-            except OSError:
-                failed.append(name)
+    for name, identity in names.items():
+        path = os.path.join(folder, name)
+        if not isinstance(name, str) or not _WEIGHTS_NAME.fullmatch(name) or name in (".", ".."):
+            continue
+        try:
+            st = os.lstat(path)
+        except (OSError, ValueError):
+            continue
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            continue
+        if identity is not None and _identity(path) != list(identity):
+            continue  # another file has taken the name since: not the one recorded
+        try:
+            os.remove(path)
+        except OSError:
+            failed.append(name)
     return failed
 
 
@@ -139,12 +168,25 @@ def _try_lock(fd: int) -> bool | None:
         raise
 
 
+def _open_lock(staging: str) -> int | None:
+    """The lock file of a staging folder, open, or None if it has none: killed between making the
+    folder and the lock. Read-write where allowed (NFS locks want it), else read-only."""
+    for mode in (os.O_RDWR, os.O_RDONLY):
+        try:
+            return os.open(os.path.join(staging, LOCK), mode | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except PermissionError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
 def _staging_folders(folder: str) -> list[str]:
     try:
         names = os.listdir(folder)
     except OSError:
         return []
-    return sorted(n for n in names if n.startswith(STAGING_PREFIX)
+    return sorted(os.path.join(folder, n) for n in names if n.startswith(STAGING_PREFIX)
                   and not os.path.islink(os.path.join(folder, n))
                   and os.path.isdir(os.path.join(folder, n)))
 
@@ -168,84 +210,86 @@ class SaveFolder:
         self.final = final
         self.token = token
         self.staging = os.path.join(final, STAGING_PREFIX + token)
-        self.created_folder = False
+        self.created: list[str] = []  # folders this save made, outermost first
         self.moved: list[str] = []  # files this save moved into ``final``
         self.committed = False
         self.notes: list[str] = []  # warnings for the caller of save
         self._lock_fd: int | None = None
 
-    @property
-    def lock_path(self) -> str:
-        return os.path.join(self.staging, LOCK)
-
     def begin(self) -> None:
-        """Check the path, create the folder if needed and the locked staging folder in it."""
+        """Check the path, create the folder if needed and the locked staging folder in it.
+        Another save holding its lock, seen before or after this one took its own, refuses this
+        one (two saves starting together both refuse rather than both go on)."""
         check_target(self.final)
         self.notes += _old_leftovers(self.final)
-        if not os.path.lexists(self.final):
-            os.makedirs(self.final)
-            self.created_folder = True
-        for name in _staging_folders(self.final):
-            holder = self._holder(os.path.join(self.final, name))
-            if holder is not None:
-                raise ZloadError(f"another zload.save into {self.final} is running ({holder}); "
-                                 "two saves into one folder would replace each other's files. "
-                                 "Wait for it, or save elsewhere")
+        self._refuse_if_another_save_runs()
+        missing, folder = [], self.final
+        while not os.path.lexists(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
+        for folder in reversed(missing):
+            os.mkdir(folder)
+            self.created.append(folder)
         os.mkdir(self.staging)
-        self._lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if _try_lock(self._lock_fd) is False:
-            raise ZloadError(f"{self.staging} is locked by another process")
+        self._lock_fd = os.open(os.path.join(self.staging, LOCK),
+                                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        _try_lock(self._lock_fd)
         os.write(self._lock_fd, f"{self.token}\npid {os.getpid()} on {socket.gethostname()}\n".encode())
         os.fsync(self._lock_fd)
+        self._refuse_if_another_save_runs()
 
-    def _holder(self, staging: str) -> str | None:
-        """Who holds the lock of another save's staging folder (None: nobody, or unknowable)."""
-        try:
-            fd = os.open(os.path.join(staging, LOCK), os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            if _try_lock(fd) is False:
-                lines = os.pread(fd, 200, 0).decode(errors="replace").splitlines()
-                return lines[1] if len(lines) > 1 else "unknown process"
-            return None
-        finally:
-            os.close(fd)  # releases the lock if this took it
+    def _refuse_if_another_save_runs(self) -> None:
+        for staging in _staging_folders(self.final):
+            if staging == self.staging:
+                continue
+            fd = _open_lock(staging)
+            if fd is None:
+                continue
+            try:
+                try:
+                    held = _try_lock(fd) is False
+                except OSError:
+                    held = False  # cannot tell: not a reason to refuse
+                if held:
+                    lines = os.pread(fd, 200, 0).decode(errors="replace").splitlines()
+                    raise ZloadError(f"another zload.save into {self.final} is running ("
+                                     f"{lines[1] if len(lines) > 1 else 'unknown process'}); two "
+                                     "saves into one folder would replace each other's files. Wait "
+                                     "for it, or save elsewhere")
+            finally:
+                os.close(fd)  # releases the lock if this took it
 
-    def commit(self, single: str, shards: list[str], index: dict | None, others: list[str]) -> None:
+    def commit(self, single: str, shards: list[str], index: dict | None, configs: list[str]) -> None:
         """Put the staged files in place. Weights name ``single``: written in the staging folder
         under that name when ``index`` is None, else as ``shards`` (standard names) with ``index``
-        the index's content naming them. ``others``: config files staged there. The order is the
-        module docstring's."""
+        the index's content naming them. ``configs``: files staged there that replace theirs. The
+        order is the module docstring's."""
         _, earlier = _referenced(self.final, single)
+        renamed = {}
         if index is None:
-            created, commit_name = [single], single
+            commit_name = single
         else:
             taken = any(os.path.lexists(os.path.join(self.final, n)) for n in shards)
             renamed = {n: shard_name(single, k, len(shards), self.token[:8] if taken else "")
                        for k, n in enumerate(shards)}
             commit_name = index_name(single)
-            self._stage_index(commit_name, dict(index, weight_map={
+            _write_json(os.path.join(self.staging, commit_name), dict(index, weight_map={
                 tensor: renamed[shard] for tensor, shard in index["weight_map"].items()}))
-            created = sorted(renamed.values()) + [commit_name]
-        stale = sorted(sorted(earlier - set(created)), key=lambda n: n != single)  # a hiding single first
-        self._write_manifest({"single": single, "created": created, "stale": stale})
-        if index is not None:
-            self._move_in(renamed)
-        self._commit(commit_name)
-        self._move_in({name: name for name in others})
+        created = {target: _identity(os.path.join(self.staging, name))
+                   for name, target in [*renamed.items(), (commit_name, commit_name)]}
+        stale = {n: _identity(os.path.join(self.final, n)) for n in sorted(earlier - set(created))}
+        _write_json(os.path.join(self.staging, MANIFEST), {
+            "single": single, "commit": commit_name, "created": created, "stale": stale,
+            "configs": configs})
+        _fsync_dir(self.staging)
+        self._move_in(renamed)
+        self._commit(single, commit_name)
+        self._move_in({name: name for name in configs})
         left = _remove(self.final, stale)
         _fsync_dir(self.final)
         if left:
             self.notes.append(f"zload: saved {self.final}, but could not remove these files of the "
                               f"earlier checkpoint, which it no longer uses: {', '.join(left)}")
-
-    def _stage_index(self, name: str, index: dict) -> None:
-        with open(os.path.join(self.staging, name), "w") as out:
-            json.dump(index, out, indent=2, sort_keys=True)
-            out.write("\n")
-            out.flush()
-            os.fsync(out.fileno())
 
     def _move_in(self, names: dict[str, str]) -> None:
         """Rename staged files (staging name -> name in the folder) into the folder."""
@@ -254,39 +298,39 @@ class SaveFolder:
             self.moved.append(target)
         _fsync_dir(self.final)
 
-    def _commit(self, name: str) -> None:
-        """The commit point: the index (or single file) replaces the old one in one rename."""
+    def _commit(self, single: str, name: str) -> None:
+        """The commit point: the index (or single file) replaces the old one in one rename, and a
+        single file that would hide a new index is removed."""
         os.replace(os.path.join(self.staging, name), os.path.join(self.final, name))
+        self.moved.append(name)
+        if name != single and os.path.lexists(os.path.join(self.final, single)):
+            _remove(self.final, {single: None})
+            if os.path.lexists(os.path.join(self.final, single)):
+                raise ZloadError(f"cannot remove {os.path.join(self.final, single)}, which readers "
+                                 "would load instead of the new checkpoint's index")
         self.committed = True
         _fsync_dir(self.final)
 
-    def _write_manifest(self, manifest: dict) -> None:
-        path = os.path.join(self.staging, MANIFEST)
-        with open(path + ".partial", "w") as out:
-            json.dump(manifest, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(path + ".partial", path)
-        _fsync_dir(self.staging)
-
     def finish(self) -> None:
         """After a commit: clean up after earlier killed saves, then remove this save's staging."""
-        self.clean_up_killed_saves(skip=self.staging)
+        self.clean_up_killed_saves()
         self._remove_staging()
 
     def abort(self) -> str:
-        """Undo an uncommitted save (its staging folder, the shards it moved in, the folder if it
-        made it); returns what the folder holds now, for the error message."""
+        """Undo an uncommitted save (its staging folder, the files it moved in, the folders it
+        made); returns what the folder holds now, for the error message."""
         if self.committed:
             self._remove_staging()
             return f"{self.final} holds the new checkpoint"
-        _remove(self.final, self.moved)
+        _remove(self.final, dict.fromkeys(self.moved))
+        self.moved = []
         self._remove_staging()
-        if self.created_folder:
+        for folder in reversed(self.created):
             try:
-                os.rmdir(self.final)
+                os.rmdir(folder)
             except OSError:
-                pass
+                break
+        self.created = []
         return f"{self.final} is as it was"
 
     def _remove_staging(self) -> None:
@@ -295,28 +339,23 @@ class SaveFolder:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def clean_up_killed_saves(self, skip: str | None = None) -> None:
-        """Remove the staging folders of saves into this folder that were killed (nobody holds
-        their lock), and the files they record, except those the current checkpoint uses."""
+    def clean_up_killed_saves(self) -> None:
+        """Finish off the saves into this folder that were killed: staging folders whose lock
+        nobody holds (see the module docstring)."""
         unknown = []
-        for name in _staging_folders(self.final):
-            staging = os.path.join(self.final, name)
-            if staging == skip:
+        for staging in _staging_folders(self.final):
+            if staging == self.staging:
                 continue
-            try:
-                fd = os.open(os.path.join(staging, LOCK), os.O_RDWR | os.O_CLOEXEC)
-            except FileNotFoundError:
-                fd = None  # killed before it made its lock: it created nothing outside
-            except OSError:
-                continue
+            fd = _open_lock(staging)
             try:
                 held = _try_lock(fd) if fd is not None else True
                 if held is None:
                     unknown.append(staging)
-                if not held:
-                    continue
-                self._undo(staging)
-                shutil.rmtree(staging, ignore_errors=True)
+                elif held:
+                    self._finish_killed(staging)
+                    shutil.rmtree(staging, ignore_errors=True)
+            except (OSError, ValueError, ZloadError) as e:
+                self.notes.append(f"zload: could not clean up after the killed save in {staging}: {e}")
             finally:
                 if fd is not None:
                     os.close(fd)
@@ -325,17 +364,26 @@ class SaveFolder:
                               "are still running (this filesystem has no file locks); delete them "
                               "once they are not")
 
-    def _undo(self, staging: str) -> None:
-        """Remove the files a killed save recorded, except those a reader uses now: the new ones
-        if it had not committed, the stale ones it had not removed yet if it had."""
+    def _finish_killed(self, staging: str) -> None:
+        """Finish off a killed save: every file it recorded (created or made stale) that a reader
+        does not use now goes, which rolls it back if it had not committed and forward if it had;
+        if its commit is what readers use, its configs are moved in too."""
         try:
-            with open(os.path.join(staging, MANIFEST)) as f:
-                manifest = json.load(f)
-            single = manifest["single"]
-            names = [n for n in manifest["created"] + manifest["stale"] if isinstance(n, str)]
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # no manifest: it was killed before it moved anything into the folder
-        if not isinstance(single, str) or not _WEIGHTS_NAME.fullmatch(single):
-            return
+            manifest = _read_json(os.path.join(staging, MANIFEST))
+            single, commit = manifest["single"], manifest["commit"]
+            created, stale, configs = manifest["created"], manifest["stale"], manifest["configs"]
+            if not (isinstance(single, str) and _WEIGHTS_NAME.fullmatch(single)
+                    and isinstance(created, dict) and isinstance(stale, dict)
+                    and isinstance(configs, list)):
+                return
+        except (ZloadError, OSError, ValueError, KeyError, TypeError, RecursionError):
+            return  # no manifest: killed before it moved anything into the folder
         in_use, _ = _referenced(self.final, single)
-        _remove(self.final, [n for n in names if n not in in_use])
+        if commit in in_use and _identity(os.path.join(self.final, commit)) == created.get(commit):
+            for name in configs:  # its commit is what readers use: its configs belong with it
+                source = os.path.join(staging, name) if isinstance(name, str) else ""
+                if (name == os.path.basename(name) and not name.startswith(".")
+                        and os.path.isfile(source) and not os.path.islink(source)):
+                    os.replace(source, os.path.join(self.final, name))
+        _remove(self.final, {n: i for n, i in [*created.items(), *stale.items()] if n not in in_use})
+        _fsync_dir(self.final)

@@ -18,8 +18,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digest
-from .distributed import collective, comm_device, exchange, problems_of, raise_for, rank_and_world
+from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digests
+from .distributed import BATCH_FAILED, BATCH_OK, collective, comm_device, exchange, problems_of, raise_for, rank_and_world
 from .errors import CheckpointError
 from .execute import (
     _ALIGN,
@@ -34,7 +34,6 @@ from .index import CheckpointIndex, TensorEntry, open_checkpoint
 from .kernels import Segment, scatter_cast
 from .plan import ReadItem
 
-_OK, _FAILED = 0, 1  # the status byte ending each batch a reader sends
 
 
 @dataclass
@@ -55,8 +54,14 @@ class SharedIndex:
         """The ranks that can read every one of ``files`` (paths as this rank names them)."""
         ranks = set(range(rank_and_world()[1]))
         for file in files:
-            ranks &= set(self.readers.get(os.path.basename(file), ranks))
+            ranks &= set(self.readers.get(file_key(self.root, file), ranks))
         return sorted(ranks)
+
+
+def file_key(root: str, path: str) -> str:
+    """How ranks name a checkpoint file to each other: its path relative to the checkpoint's
+    folder (the same on every node, wherever the folder is)."""
+    return os.path.relpath(path, root)
 
 
 def _root(source: str) -> str:
@@ -92,7 +97,8 @@ class LocalView:
         """This rank's open checkpoint files, by file key."""
         if self.index is None:
             return {}
-        return {os.path.basename(path): f for path, f in self.index.opened.files.items()
+        root = _root(self.source)
+        return {file_key(root, path): f for path, f in self.index.opened.files.items()
                 if path in self.index.files}
 
     def shared(self) -> SharedIndex:
@@ -102,14 +108,6 @@ class LocalView:
     def close(self) -> None:
         if self.index is not None:
             self.index.close()
-
-
-def _data_fingerprint(opened: OpenFile, sample: bool) -> str:
-    """What ranks compare of a file's data besides its header: a sample of it (``sample``), but
-    nothing more for a file whose header records its data digest (a zload save)."""
-    if not sample or DIGEST_KEY in opened.metadata:
-        return ""
-    return sample_digest(opened.fd, opened.data_start, opened.identity.size)
 
 
 def local_view(source: str, verify: str = "sample") -> LocalView:
@@ -124,13 +122,18 @@ def local_view(source: str, verify: str = "sample") -> LocalView:
             return LocalView(source, None)
         view = LocalView(source, open_checkpoint(source, missing_ok=True))
         try:
-            sample = verify == "sample" and rank_and_world()[1] > 1  # alone, nothing to compare
-            view.digests = {key: (f.header_sha256, _data_fingerprint(f, sample))
-                            for key, f in view.opened().items()}
+            files = view.opened()
+            # the data are sampled when there is another rank to compare with, except for files
+            # whose header records a digest of all their data (a zload save)
+            sampled = [key for key, f in files.items() if DIGEST_KEY not in f.metadata] \
+                if verify == "sample" and rank_and_world()[1] > 1 else []
+            samples = dict(zip(sampled, sample_digests(
+                [(files[k].fd, files[k].data_start, files[k].identity.size) for k in sampled])))
+            view.digests = {key: (f.header_sha256, samples.get(key, "")) for key, f in files.items()}
         except BaseException:
             view.close()
             raise
-        view.known = sorted(os.path.basename(f) for f in view.index.files)
+        view.known = sorted(file_key(_root(source), f) for f in view.index.files)
         return view
 
     view, problems = problems_of(f"indexing {source}", index)
@@ -210,13 +213,13 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
         return SharedIndex(local, _root(source))
 
     # Each file some rank lacks: its first reader sends that file's header entries.
+    root = _root(source)
     mine = {k: [(e.name, e.dtype, e.shape, e.start, e.nbytes) for e in local.tensors.values()
-                if os.path.basename(e.file) == k]
+                if file_key(root, e.file) == k]
             for k in lacking if readers[k][0] == rank}
     shared: dict[str, list] = {}
     for part in exchange(mine):
         shared.update(part)
-    root = _root(source)
     tensors = dict(local.tensors) if local else {}
     for key, rows in shared.items():
         if rank not in readers[key]:
@@ -262,7 +265,7 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     no rank waits forever; the caller agrees on the problems.
     """
     rank, world = rank_and_world()
-    key = os.path.basename
+    key = partial(file_key, shared.root)
     requests = [(_server(shared.readers[key(i.file)], rank, world), i) for i in items]
     wire = [(server, key(i.file), i.offset, i.nbytes, i.numel, i.src_dtype) for server, i in requests]
     everyone = exchange(wire)
@@ -270,8 +273,7 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     problems: list[tuple[str, str]] = []
     capacity = max(_ALIGN * 2, staging_bytes // 2)
     outboxes = inboxes = None  # allocated once, when first needed; fresh ones would page-fault
-    # reads and writes turn their failures into problems; what can raise here is the transport
-    with RangeReader(shared.index.opened) as reader, collective():  # one reader for every batch
+    with RangeReader(shared.index.opened) as reader:  # its threads serve every batch read here
         for requester in range(world):
             for server in sorted({w[0] for w in everyone[requester]}):
                 if rank == server:
@@ -311,14 +313,16 @@ def _serve(batches, requester: int, outboxes: list[torch.Tensor], reader: RangeR
             ranges = [(part.file, part.offset, view[start:start + part.nbytes]) for start, part in batch]
             got, problems = problems_of(f"reading for rank {requester}", partial(reader.read, ranges))
             read += got or 0
-        message[used] = _FAILED if problems else _OK
-        if in_flight is not None:
-            in_flight[0].wait()
-        outgoing = message.to(comm_device())
-        in_flight = (dist.isend(outgoing, dst=requester), outgoing)
+        message[used] = BATCH_FAILED if problems else BATCH_OK
+        with collective():
+            if in_flight is not None:
+                in_flight[0].wait()
+            outgoing = message.to(comm_device())
+            in_flight = (dist.isend(outgoing, dst=requester), outgoing)
         sent += used
     if in_flight is not None:
-        in_flight[0].wait()
+        with collective():
+            in_flight[0].wait()
     return read, sent, problems
 
 
@@ -333,7 +337,8 @@ def _receive(batches, server: int, inboxes: list[torch.Tensor], dests: list[torc
     for k, batch in enumerate(batches):
         used = _used(batch)
         incoming = inboxes[k % 2][:used + 1]
-        work = dist.irecv(incoming, src=server)
+        with collective():
+            work = dist.irecv(incoming, src=server)
         if pending is not None:
             problems = _write_received(*pending, server, dests, problems)
         pending = (work, incoming, batch)
@@ -346,8 +351,9 @@ def _receive(batches, server: int, inboxes: list[torch.Tensor], dests: list[torc
 def _write_received(work, incoming: torch.Tensor, batch, server: int, dests: list[torch.Tensor],
                     problems: list) -> list:
     """Wait for one received batch and write it into ``dests``, unless the load already failed."""
-    work.wait()
-    if int(incoming[-1]) != _OK and not problems:
+    with collective():
+        work.wait()
+    if int(incoming[-1]) != BATCH_OK and not problems:
         problems = [*problems, ("CheckpointError", f"rank {server} could not read the bytes this rank "
                                                    f"lacks (see rank {server}'s problem)")]
     if problems:
