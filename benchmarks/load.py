@@ -9,6 +9,8 @@ each world size, method and run, starts a fresh world of W ranks (so peak RSS is
 
 - ``floor``: each rank ``os.preadv``s exactly its ZeRO-3 byte ranges (the ones zload reads) into a
   preallocated buffer. Only the reads are timed: the I/O floor for a partitioned load.
+- ``alloc-floor``: each rank allocates (``torch.empty``) and touches (``fill_``) exactly its ZeRO-3
+  partitions, one tensor each, in the models' dtype: the floor for building a partitioned model.
 - ``zload``: build the model under ``deepspeed.zero.Init`` (timed as construct), then
   ``zload.load_into`` (timed as load).
 - ``zload+init``: build under ``zload.init`` (no weight init, no broadcast), then ``load_into``.
@@ -47,7 +49,7 @@ from datetime import datetime, timezone
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 WORKER = os.path.abspath(__file__)
-METHODS = ("floor", "zload", "zload+init", "transformers")
+METHODS = ("floor", "alloc-floor", "zload", "zload+init", "transformers")
 DEFAULT_STAGING = 64 << 20  # zload's default staging_bytes (zload.execute.DEFAULT_STAGING_BYTES)
 SLACK = 64_000_000  # the memory target: growth <= staging + 64 MB
 MB = 1e6
@@ -417,22 +419,49 @@ def verify_partitions(model, folder: str) -> dict:
     return {"checked": checked, "problems": problems[:10], "ok": not problems and checked > 0}
 
 
-def _method_floor(folder: str, meter: Meter, args) -> dict:
-    import torch
+def rank_partitions(folder: str) -> list[tuple]:
+    """For each checkpoint tensor (in file order): its index entry, this rank's ZeRO-3 partition
+    size ``ceil(numel / W)`` and the first and count of the elements that partition holds."""
     import torch.distributed as dist
 
     from zload.index import open_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    ranges = []
     with open_checkpoint(folder) as index:
         entries = sorted(index.tensors.values(), key=lambda e: (e.file, e.start))
+    out = []
     for e in entries:
-        ps = -(-e.numel // world)  # a rank's ZeRO-3 partition: ceil(numel / W) elements
+        ps = -(-e.numel // world)
         lo = rank * ps
-        n = max(0, min(ps, e.numel - lo))
-        if n:
-            ranges.append((e.file, e.start + lo * e.itemsize, n * e.itemsize))
+        out.append((e, ps, lo, max(0, min(ps, e.numel - lo))))
+    return out
+
+
+def partition_bytes(folder: str, dtype) -> int:
+    """The bytes of this rank's partitions of every checkpoint tensor in ``dtype``."""
+    import torch
+
+    return sum(ps for _, ps, _, _ in rank_partitions(folder)) * torch.empty(0, dtype=dtype).element_size()
+
+
+def _method_alloc_floor(folder: str, meter: Meter, args) -> dict:
+    import torch
+
+    dtype = getattr(torch, args.model_dtype)
+    sizes = [ps for _, ps, _, _ in rank_partitions(folder)]
+    meter.begin("total")
+    meter.begin("construct")
+    partitions = [torch.empty(ps, dtype=dtype).fill_(0) for ps in sizes]
+    meter.end("construct")
+    meter.end("total")
+    return {"bytes_read": 0, "verified": None, "tensors": len(partitions)}
+
+
+def _method_floor(folder: str, meter: Meter, args) -> dict:
+    import torch
+
+    ranges = [(e.file, e.start + lo * e.itemsize, n * e.itemsize)
+              for e, _, lo, n in rank_partitions(folder) if n]
     total = sum(n for _, _, n in ranges)
     buffer = torch.empty(total, dtype=torch.uint8)
     buffer.fill_(0)  # touched now, like the partitions zload writes into (allocated at construction)
@@ -562,6 +591,8 @@ def worker_main(args) -> None:
         method = args.worker
         if method == "floor":
             result = _method_floor(args.checkpoint, meter, args)
+        elif method == "alloc-floor":
+            result = _method_alloc_floor(args.checkpoint, meter, args)
         elif method == "zload":
             result = _method_zload(args.checkpoint, meter, args, use_init=False)
         elif method == "zload+init":
@@ -575,6 +606,7 @@ def worker_main(args) -> None:
         if "construct" not in segments and "load" in segments:
             segments["construct"] = {"seconds": segments["total"]["seconds"] - segments["load"]["seconds"]}
         result.update(method=method, rank=rank, world=world, segments=segments, samples=meter.samples,
+                      partition_bytes=partition_bytes(args.checkpoint, getattr(torch, args.model_dtype)),
                       device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu",
                       backend=dist.get_backend(), omp_threads=torch.get_num_threads())
         with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
@@ -734,19 +766,26 @@ def _max(ranks, segment, key, default=None):
     return max(values) if values else default
 
 
+def _growth(ranks, segment, key="rss") -> float | None:
+    """The largest rise over ranks of ``key`` (rss, anon) within ``segment``, if measured."""
+    values = [r["segments"][segment][f"{key}_peak"] - r["segments"][segment][f"{key}_before"]
+              for r in ranks if f"{key}_peak" in r["segments"].get(segment, {})]
+    return max(values) if values else None
+
+
 def summarize_run(ranks: list[dict]) -> dict:
     """One measurement: the max over ranks of every quantity."""
-    growth = [r["segments"]["load"]["rss_peak"] - r["segments"]["load"]["rss_before"] for r in ranks]
-    anon_growth = [r["segments"]["load"]["anon_peak"] - r["segments"]["load"]["anon_before"] for r in ranks]
     run = {
         "load_s": _max(ranks, "load", "seconds"),
         "construct_s": _max(ranks, "construct", "seconds"),
         "total_s": _max(ranks, "total", "seconds"),
         "peak_rss": _max(ranks, "total", "rss_peak"),
         "rss_before_load": _max(ranks, "load", "rss_before"),
-        "load_rss_growth": max(growth),
-        "load_rss_growth_by_rank": growth,
-        "load_anon_growth": max(anon_growth),
+        "load_rss_growth": _growth(ranks, "load"),
+        "load_anon_growth": _growth(ranks, "load", "anon"),
+        "construct_rss_growth": _growth(ranks, "construct"),
+        "total_rss_growth": _growth(ranks, "total"),
+        "partition_bytes": max(r.get("partition_bytes", 0) for r in ranks),
         "peak_anon": _max(ranks, "total", "anon_peak"),
         "bytes_read": max(r.get("bytes_read", 0) for r in ranks),
         "bytes_read_by_rank": [r.get("bytes_read", 0) for r in ranks],
@@ -763,8 +802,8 @@ def summarize_run(ranks: list[dict]) -> dict:
     }
     if "gpu_peak" in ranks[0]["segments"]["total"]:
         run["gpu_peak"] = _max(ranks, "total", "gpu_peak")
-        run["load_gpu_growth"] = max(r["segments"]["load"]["gpu_peak"] - r["segments"]["load"]["gpu_before"]
-                                     for r in ranks)
+        run["load_gpu_growth"] = _growth(ranks, "load", "gpu")
+        run["construct_gpu_growth"] = _growth(ranks, "construct", "gpu")
     bad = [r["verified"]["problems"] for r in ranks if r.get("verified") and not r["verified"]["ok"]]
     if bad:
         run["verify_problems"] = bad
@@ -772,8 +811,9 @@ def summarize_run(ranks: list[dict]) -> dict:
 
 
 _MEDIAN_KEYS = ("load_s", "construct_s", "total_s", "peak_rss", "load_rss_growth", "load_anon_growth",
-                "peak_anon", "bytes_read", "collective_received_load", "collective_received_total",
-                "zload_sent_received", "rchar_load", "reload_s", "gpu_peak", "load_gpu_growth")
+                "construct_rss_growth", "total_rss_growth", "partition_bytes", "peak_anon", "bytes_read",
+                "collective_received_load", "collective_received_total", "zload_sent_received",
+                "rchar_load", "reload_s", "gpu_peak", "load_gpu_growth", "construct_gpu_growth")
 
 
 def summarize(entry: dict) -> None:
@@ -783,10 +823,14 @@ def summarize(entry: dict) -> None:
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             med[key] = statistics.median(values)
-    med["load_gb_s"] = entry["checkpoint_bytes"] / med["load_s"] / 1e9
-    med["max_load_rss_growth"] = max(r["load_rss_growth"] for r in runs)  # worst run, for the target
-    med["load_s_min"] = min(r["load_s"] for r in runs)
-    med["load_s_max"] = max(r["load_s"] for r in runs)
+    for key in ("load_rss_growth", "construct_rss_growth", "total_rss_growth"):  # worst run, for targets
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if values:
+            med[f"max_{key}"] = max(values)
+    if "load_s" in med:
+        med["load_gb_s"] = entry["checkpoint_bytes"] / med["load_s"] / 1e9
+        med["load_s_min"] = min(r["load_s"] for r in runs)
+        med["load_s_max"] = max(r["load_s"] for r in runs)
     entry["median"] = med
     entry["verified"] = (None if any(r["verified"] is None for r in runs)
                          else all(r["verified"] for r in runs))
@@ -892,29 +936,37 @@ def markdown(data: dict) -> str:
         f"Backend {data['backend']}; load_into(verify={data.get('load_verify', 'sample')!r}); "
         f"page cache warm ({_residency(data)}). Median of the runs shown; each run is a fresh world; every number is the max over ranks.",
         "",
-        ("| checkpoint | W | method | load s | construct + load s | load GB/s | peak RSS / rank MB "
-         "| RSS growth in load MB | " + ("peak GPU / rank MB | " if gpu else "")
+        ("| checkpoint | W | method | construct s | load s | construct + load s | load GB/s "
+         "| peak RSS / rank MB | RSS growth in construct MB | RSS growth in load MB | "
+         + ("peak GPU / rank MB | GPU growth in construct MB | " if gpu else "")
          + "read / rank MB | collectives / rank (load; construct + load) | runs |"),
-        "|---|---:|---|---:|---:|---:|---:|---:|" + ("---:|" if gpu else "") + "---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "") + "---:|---:|---:|",
     ]
     for e in data["results"]:
         m = e["median"]
         read = _mb(m.get("bytes_read")) + (" (rank 0 only)" if e["method"] == "transformers" else "")
-        if e["method"] == "floor":
+        floor = e["method"] in ("floor", "alloc-floor")
+        if floor:
             coll = "0"
         else:
             coll = f"{_bytes(m.get('collective_received_load'))}; {_bytes(m.get('collective_received_total'))}"
-        construct_load = "–" if e["method"] == "floor" else _s(m.get("total_s"))
+        construct_load = "–" if floor else _s(m.get("total_s"))
+        gb_s = f"{m['load_gb_s']:.2f}" if "load_gb_s" in m else "–"
         lines.append(
             f"| {e['size']} ({e['checkpoint_bytes'] / MB:,.0f} MB) | {e['world']} | {e['method']} "
-            f"| {_s(m['load_s'])} | {construct_load} | {m['load_gb_s']:.2f} | {_mb(m.get('peak_rss'))} "
-            f"| {_mb(m.get('load_rss_growth'))} | " + (f"{_mb(m.get('gpu_peak'))} | " if gpu else "")
+            f"| {_s(m.get('construct_s') if e['method'] != 'floor' else None)} | {_s(m.get('load_s'))} "
+            f"| {construct_load} | {gb_s} | {_mb(m.get('peak_rss'))} | {_mb(m.get('construct_rss_growth'))} "
+            f"| {_mb(m.get('load_rss_growth'))} | "
+            + (f"{_mb(m.get('gpu_peak'))} | {_mb(m.get('construct_gpu_growth'))} | " if gpu else "")
             + f"{read} | {coll} | {len(e['runs'])} |")
-    lines += ["", ("Columns: *load s* is zload's `load_into`, transformers' load step "
+    lines += ["", ("Columns: *construct s* is building the model (zero.Init or zload.init; for "
+              "transformers the whole `from_pretrained` but its load step) or the allocation floor's "
+              "allocate-and-touch; *load s* is zload's `load_into`, transformers' load step "
               "(`_load_pretrained_model`, inside `from_pretrained`), or the floor's reads; "
               "*construct + load s* is zero.Init / zload.init construction plus `load_into`, or the whole "
               "`from_pretrained`; *GB/s* is checkpoint bytes / load s. *Peak RSS* covers construct + load; "
-              "*growth* is the peak during the load minus the RSS when it began (for transformers it "
+              "*growth* is the peak during construction or the load minus the RSS when it began (for "
+              "transformers' load it "
               "includes the checkpoint pages rank 0 memory-maps). *collectives* counts bytes each rank "
               "receives through torch.distributed collectives (wrapped and counted, not estimated), during "
               "the load and during construct + load; for zload that is its small agreement exchanges "
@@ -958,13 +1010,46 @@ def evaluate_targets(data: dict) -> list[str]:
             out.append(f"{size}: zload load within 1.3x of the I/O floor: "
                        f"{'MET' if ratio <= 1.3 else 'NOT MET'} ({_s(zl)} s vs {_s(f['median']['load_s'])} s"
                        f" = {ratio:.2f}x{again})")
-        for e in (z, zi):
-            if e:
-                worst = e["median"]["max_load_rss_growth"]
-                out.append(f"{size}: {e['method']} RSS growth during the load <= staging "
-                           f"({data['staging_bytes'] / 2**20:.0f} MiB) + 64 MB = {limit / MB:.0f} MB: "
-                           f"{'MET' if worst <= limit else 'NOT MET'} (worst rank of the worst run "
-                           f"{worst / MB:.1f} MB)")
+        a = by_key.get((size, 2, "alloc-floor"))
+        if zi and a:
+            out += _construction_targets(size, zi["median"], a["median"], f and f["median"], t and t["median"])
+        worst = z["median"]["max_load_rss_growth"]
+        out.append(f"{size}: zload RSS growth during the load <= staging "
+                   f"({data['staging_bytes'] / 2**20:.0f} MiB) + 64 MB = {limit / MB:.0f} MB: "
+                   f"{'MET' if worst <= limit else 'NOT MET'} (worst rank of the worst run {worst / MB:.1f} MB)")
+        if zi:  # zload.init's partitions are first touched by the load's writes: count them once
+            worst, parts = zi["median"]["max_total_rss_growth"], zi["median"]["partition_bytes"]
+            out.append(f"{size}: zload+init RSS growth over construct + load <= this rank's partitions "
+                       f"({parts / MB:,.0f} MB) + staging + 64 MB = {(parts + limit) / MB:,.0f} MB: "
+                       f"{'MET' if worst <= parts + limit else 'NOT MET'} (worst rank of the worst run "
+                       f"{worst / MB:,.1f} MB)")
+    return out
+
+
+def _construction_targets(size, init, alloc, floor, transformers) -> list[str]:
+    """zload.init's targets: construction near the allocation floor, construct + load near both
+    floors, far ahead of from_pretrained, and no more memory than this rank's partitions."""
+    def verdict(ok):
+        return "MET" if ok else "NOT MET"
+
+    out = []
+    ratio = init["construct_s"] / alloc["construct_s"]
+    out.append(f"{size}: zload.init construction <= 1.5x the allocation floor: {verdict(ratio <= 1.5)} "
+               f"({_s(init['construct_s'])} s vs {_s(alloc['construct_s'])} s = {ratio:.2f}x)")
+    if floor:
+        both = floor["load_s"] + alloc["construct_s"]
+        ratio = init["total_s"] / both
+        out.append(f"{size}: zload.init + load_into <= 2.5x (I/O floor + allocation floor): "
+                   f"{verdict(ratio <= 2.5)} ({_s(init['total_s'])} s vs {_s(both)} s = {ratio:.2f}x)")
+    if transformers:
+        ratio = transformers["total_s"] / init["total_s"]
+        out.append(f"{size}: zload.init + load_into >= 8x faster than from_pretrained under ZeRO-3: "
+                   f"{verdict(ratio >= 8)} ({_s(transformers['total_s'])} s vs {_s(init['total_s'])} s = "
+                   f"{ratio:.1f}x)")
+    worst, limit = init["max_construct_rss_growth"], init["partition_bytes"] + SLACK
+    out.append(f"{size}: zload.init RSS growth during construction <= this rank's partitions "
+               f"({init['partition_bytes'] / MB:,.0f} MB) + 64 MB: {verdict(worst <= limit)} (worst rank of "
+               f"the worst run {worst / MB:,.1f} MB)")
     return out
 
 
@@ -976,7 +1061,8 @@ def plot(data: dict, path: str) -> None:
 
     sizes = [s["size"] for s in data["checkpoints"]]
     fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 3.8 * len(sizes)), squeeze=False)
-    colors = {"floor": "tab:gray", "zload": "tab:blue", "zload+init": "tab:green", "transformers": "tab:red"}
+    colors = {"floor": "tab:gray", "alloc-floor": "tab:olive", "zload": "tab:blue", "zload+init": "tab:green",
+              "transformers": "tab:red"}
     for row, size in zip(axes, sizes):
         entries = [e for e in data["results"] if e["size"] == size]
         for method in METHODS:
@@ -984,15 +1070,20 @@ def plot(data: dict, path: str) -> None:
             if not es:
                 continue
             ws = [e["world"] for e in es]
-            row[0].plot(ws, [e["median"]["load_s"] for e in es], "o-", color=colors[method],
-                        label=f"{method}: load" + (" step" if method == "transformers" else ""))
-            if method != "floor":
+            if method == "alloc-floor":
+                row[0].plot(ws, [e["median"]["construct_s"] for e in es], "^-", color=colors[method],
+                            label=f"{method}: construct")
+            else:
+                row[0].plot(ws, [e["median"]["load_s"] for e in es], "o-", color=colors[method],
+                            label=f"{method}: load" + (" step" if method == "transformers" else ""))
+            if method not in ("floor", "alloc-floor"):
                 row[0].plot(ws, [e["median"]["total_s"] for e in es], "s--", color=colors[method],
                             alpha=0.6, label=f"{method}: construct + load")
             row[1].plot(ws, [e["median"]["peak_rss"] / MB for e in es], "o-", color=colors[method],
                         label=f"{method}: peak")
-            row[1].plot(ws, [e["median"]["load_rss_growth"] / MB for e in es], "v:", color=colors[method],
-                        alpha=0.7, label=f"{method}: growth in load")
+            if method != "alloc-floor":
+                row[1].plot(ws, [e["median"]["load_rss_growth"] / MB for e in es], "v:", color=colors[method],
+                            alpha=0.7, label=f"{method}: growth in load")
         nbytes = entries[0]["checkpoint_bytes"] if entries else 0
         row[0].set_title(f"{size} bf16 checkpoint ({nbytes / MB:,.0f} MB): seconds")
         row[0].set_yscale("log")
@@ -1176,9 +1267,11 @@ def main(argv=None) -> int:
                 if summary["verified"] is False:
                     raise RuntimeError(f"{method} at world {w}: partitions differ from the checkpoint: "
                                        f"{summary.get('verify_problems')}")
-                log(f"{label} W={w} {method:<12} run {run + 1}: load {summary['load_s']:.3f} s, "
+                log(f"{label} W={w} {method:<12} run {run + 1}: construct {_s(summary['construct_s'])} s, "
+                    f"load {_s(summary['load_s'])} s, "
                     f"construct+load {summary['total_s']:.3f} s, peak RSS {summary['peak_rss'] / MB:,.0f} MB, "
-                    f"growth in load {summary['load_rss_growth'] / MB:,.1f} MB, "
+                    f"growth in construct {_mb(summary['construct_rss_growth'])} MB, "
+                    f"growth in load {_mb(summary['load_rss_growth'])} MB, "
                     f"read/rank {summary['bytes_read'] / MB:,.0f} MB, "
                     f"collectives/rank {summary['collective_received_total'] / MB:,.1f} MB"
                     + (", verified" if summary["verified"] else ""))

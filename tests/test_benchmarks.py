@@ -51,7 +51,7 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch, mo
         run_module("benchmarks.load", "--world", "2", *args)
     data = json.loads((tmp_path / "load-smoke.json").read_text())
     runs = {r["method"]: r["runs"][0] for r in data["results"] if r["world"] == 2}
-    assert set(runs) == {"floor", "zload", "zload+init", "transformers"}
+    assert set(runs) == {"floor", "alloc-floor", "zload", "zload+init", "transformers"}
     total = data["checkpoints"][0]["checkpoint_bytes"]
     shares = runs["floor"]["bytes_read_by_rank"]
     assert sum(shares) == total and len(shares) == 2
@@ -60,13 +60,16 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch, mo
         assert runs[method]["bytes_read_by_rank"] == shares
         assert runs[method]["zload_sent_received"] == 0
     assert runs["zload+init"]["collective_received_load"] < 1000
+    assert runs["zload+init"]["collective_received_total"] < 1000  # zload.init broadcasts nothing
+    assert runs["alloc-floor"]["partition_bytes"] == runs["zload+init"]["partition_bytes"] >= max(shares)
+    assert runs["zload+init"]["construct_rss_growth"] is not None and runs["alloc-floor"]["construct_s"] > 0
     assert runs["transformers"]["verified"] is True
     assert runs["transformers"]["bytes_read_by_rank"] == [total, 0]
     assert runs["transformers"]["collective_received_load"] > total  # gather and broadcast
     table = (tmp_path / "load-smoke.md").read_text()
     for method in runs:
         assert f"| {method} |" in table
-    assert len(data["targets"]) == 4 and all(t.startswith(SIZE) for t in data["targets"])
+    assert len(data["targets"]) == 8 and all(t.startswith(SIZE) for t in data["targets"])
     assert (tmp_path / "load-smoke.png").stat().st_size > 1000
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" raises ImportError
     assert load_benchmark.write_outputs(data, str(tmp_path / "again")) == ".md"
