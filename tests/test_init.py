@@ -71,7 +71,7 @@ def test_init_builds_without_broadcast_and_loads_everything(tmp_path, world):
             world, _init_then_load, str(tmp_path / "m.safetensors"), True):
         assert broadcasts == 0  # neither zero.Init's broadcasts nor nn.Linear's kaiming init ran
         assert zero_init_broadcasts == len(state) + 1  # one broadcast per parameter, one init
-        assert error is None and not any("uninitialised" in m for m in messages)
+        assert error is None and not any("never loaded" in m for m in messages)
 
 
 def test_strict_load_refuses_to_leave_init_parameters_unwritten(tmp_path):
@@ -81,7 +81,7 @@ def test_strict_load_refuses_to_leave_init_parameters_unwritten(tmp_path):
     for _, _, error, _ in run_world(2, _init_then_load, str(tmp_path / "m.safetensors"), True):
         assert "not in the checkpoint" in error and error.rstrip().endswith(": b"), error
     for _, _, error, messages in run_world(2, _init_then_load, str(tmp_path / "m.safetensors"), False):
-        assert error is None and any("uninitialised" in m and "b" in m for m in messages), messages
+        assert error is None and any("never loaded" in m and "b" in m for m in messages), messages
 
 
 def _peft_base_only(path):

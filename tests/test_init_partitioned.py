@@ -80,6 +80,7 @@ def _allocations():
     world = dist.get_world_size()
     for name, p in model.named_parameters():
         assert p.ds_tensor.dtype == torch.bfloat16 and p.ds_tensor.numel() == -(-p.ds_numel // world), name
+        assert not p.ds_tensor.any(), f"{name}: a partition built by zload.init holds zeros until loaded"
     partition = max(p.ds_tensor.numel() for p in model.parameters())
     return max(n for _, n in made), max(n for _, n in zero_init_made), partition
 

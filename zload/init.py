@@ -9,7 +9,7 @@ model once. For a model that ``load_into`` fills right after, all of that is was
   ``randn``), called while a module's ``__init__`` runs, return *deferred* tensors: meta tensors
   that remember the call that makes them;
 - a parameter made from one becomes a ZeRO-3 parameter whose partition DeepSpeed allocates (final
-  dtype, device, pinning, NVMe) and nobody writes. Until the context exits its ``data`` is a meta
+  dtype, device, pinning, NVMe) and zload zeroes. Until the context exits its ``data`` is a meta
   tensor of full shape, so initialisation code that touches it (``nn.init``, ``weight[pad] = 0``)
   does nothing and costs nothing;
 - any operation on a deferred tensor makes it first, by the very call a normal construction runs,
@@ -152,8 +152,9 @@ def init(config=None, *, dtype: torch.dtype | None = None, **zero_init_kwargs):
     ``zload.load_into`` will fill completely: no full-size parameter is ever allocated, no weight
     initialised, nothing broadcast.
 
-    Parameters hold uninitialised memory until loaded; ``load_into`` raises (``strict=True``) or
-    warns (``strict=False``) if a load leaves any of them unwritten.
+    Parameters hold zeros (or, if computed rather than constructed, their constructor's values)
+    until loaded; ``load_into`` raises (``strict=True``) or warns (``strict=False``) if a load
+    leaves any of them unwritten.
     """
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import Init
@@ -167,9 +168,12 @@ def init(config=None, *, dtype: torch.dtype | None = None, **zero_init_kwargs):
         setattr(param, _UNLOADED, True)
 
     def partition_without_values(self, param):
-        """A parameter made from a deferred tensor: its partition is allocated, never written."""
+        """A parameter made from a deferred tensor: its partition is allocated and zeroed (the
+        load's reads would fault its pages in anyway, and do so slower: measured), not computed."""
         self._convert_to_deepspeed_param(param)
         param.partition()
+        if param.ds_tensor.final_location is None:  # not swapped out to NVMe
+            param.ds_tensor.zero_()
         param.data = torch.empty(param.ds_shape, dtype=param.dtype, device="meta")
         setattr(param, _UNLOADED, True)
         built.append((param, self.local_device))

@@ -215,8 +215,8 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
         plan = make_plan(index, targets, strict=strict, matching=matching)
         left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
         if strict and left:
-            plan.problems.append(f"{len(left)} parameters built by zload.init (uninitialised memory) "
-                                 f"would stay unwritten (strict=True): {shortened(left, 20)}")
+            plan.problems.append(f"{len(left)} parameters built by zload.init (no trained values until "
+                                 f"loaded) would stay unwritten (strict=True): {shortened(left, 20)}")
         return plan
 
     with stage(f"indexing and planning the load of {path}", _UNCHANGED):
@@ -261,12 +261,12 @@ def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, r
     return bytes_read, sent, received
 
 
-def _warn(report: LoadReport, uninitialised: list[str]) -> None:
+def _warn(report: LoadReport, never_loaded: list[str]) -> None:
     """Warnings point at the caller's ``load_into`` line: _warn, load_into, the collector_paused
     wrapper, the caller (stacklevel 4)."""
-    if uninitialised:
-        warnings.warn(f"zload: {len(uninitialised)} parameters built by zload.init hold uninitialised "
-                      f"memory (no load has written them): {shortened(uninitialised, 20)}",
+    if never_loaded:
+        warnings.warn(f"zload: {len(never_loaded)} parameters built by zload.init were never loaded: they "
+                      f"hold zeros or their constructor's values, not weights: {shortened(never_loaded, 20)}",
                       ZloadWarning, stacklevel=4)
     if report.unexpected:
         warnings.warn(f"zload: {len(report.unexpected)} checkpoint tensors are not in the model and "
