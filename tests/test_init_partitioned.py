@@ -4,6 +4,9 @@ loads exactly like one built by zero.Init."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
 import types
 from unittest import mock
 
@@ -266,3 +269,159 @@ def test_openvla_orphans_are_repaired_in_a_model_built_by_init(tmp_path, world):
     save_file(models.state_with_seed(patched, seed=12), str(tmp_path / "m.safetensors"))
     for repaired in run_world(world, _orphans_repaired, tmp_path / "m.safetensors"):
         assert len(repaired) == 2
+
+
+# Modules written the way real __init__ code is written; each once broke zload.init (review of #14).
+
+class InitialisedBuffers(nn.Module):
+    """Buffers that nn.init fills (a constant, fixed random features) and that use each other."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ones", torch.empty(4), persistent=False)
+        nn.init.constant_(self.ones, 1.0)
+        self.register_buffer("features", torch.empty(3, 3), persistent=False)
+        nn.init.orthogonal_(self.features)
+        self.register_buffer("first", torch.randn(3))
+        self.register_buffer("second", torch.randn(3))
+        self.register_buffer("drawn", torch.randn(3, generator=torch.Generator().manual_seed(1)))
+        self.lin = nn.Linear(3, 5)
+
+
+class DevicesOfOthers(nn.Module):
+    """Tensors made on another tensor's device, from a parameter's new_*, and as views."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.register_buffer("a", torch.ones(3))
+        self.register_buffer("b", torch.zeros(3, device=self.a.device))
+        self.register_buffer("c", torch.arange(3, device=self.lin.weight.device))
+        self.register_buffer("d", self.lin.weight.new_ones(2))
+        self.register_buffer("t", torch.ones(2, 3).T.contiguous())
+        self.kept = (self.a, self.a.T)
+
+
+class GathersInInit(nn.Module):
+    """DeepSpeed's documented way to set values of a parameter while building."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        with deepspeed.zero.GatheredParameters(self.emb.weight, modifier_rank=0):
+            self.emb.weight.data[0].fill_(1.0)
+
+
+class ReplacesChildParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 6)
+        self.head.weight = nn.Parameter(torch.empty(6, 4))
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with zload.init(dtype_config(torch.float32)):
+            self.inner = nn.Linear(5, 7)
+        self.register_buffer("b", torch.ones(3))
+
+
+class MaskFromParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones_like(self.lin.weight))
+
+
+def _built_twice(cls, outer=None):
+    """``cls()`` under zload.init and under zero.Init (inside ``outer``), from the same seed."""
+    config = dtype_config(torch.float32)
+    models = []
+    for context in (lambda: zload.init(config), lambda: deepspeed.zero.Init(config_dict_or_path=config)):
+        torch.manual_seed(3)
+        with outer() if outer else contextlib.nullcontext(), context():
+            models.append(cls())
+    return models
+
+
+def _builds_like_zero_init(name, path, outer):
+    model, reference = _built_twice(globals()[name], {"zero.Init": lambda: deepspeed.zero.Init(
+        config_dict_or_path=dtype_config(torch.float32)), None: None}[outer])
+    want = {**dict(reference.named_buffers()), **{k: v for k, v in vars(reference).items() if torch.is_tensor(v)}}
+    got = {**dict(model.named_buffers()), **{k: v for k, v in vars(model).items() if torch.is_tensor(v)}}
+    assert got.keys() == want.keys()
+    for key in want:
+        assert_bit_equal(got[key], want[key], key)
+    for key in ("kept",):
+        for got_view, want_view in zip(getattr(model, key, ()), getattr(reference, key, ())):
+            assert_bit_equal(got_view, want_view, key)
+    for p_name, p in model.named_parameters():
+        assert hasattr(p, "ds_id") and p.data.shape == (0,) and not p.is_meta, p_name
+        want = reference.get_parameter(p_name)  # zero.Init leaves a replaced child parameter whole
+        assert p.ds_tensor.device == getattr(want, "ds_tensor", want).device, p_name
+    torch.manual_seed(4)  # the same file on every rank; each writes its own, so none waits for another
+    path = f"{path}.{dist.get_rank()}"
+    state = {key: torch.randn(getattr(p, "ds_shape", p.shape)) * 3 for key, p in reference.named_parameters()}
+    save_file({key: t.contiguous() for key, t in {**reference.state_dict(), **state}.items()}, path)
+    zload.load_into(model, path)
+    zload.load_into(reference, path)
+    loaded, expected = gathered(dict(model.named_parameters())), gathered(dict(reference.named_parameters()))
+    assert loaded.keys() == expected.keys()
+    for key in expected:
+        assert_bit_equal(loaded[key], expected[key], f"{key} after the load")
+
+
+@pytest.mark.parametrize("name,outer", [("InitialisedBuffers", None), ("DevicesOfOthers", None),
+                                        ("GathersInInit", None), ("ReplacesChildParameter", None),
+                                        ("Nested", None), ("InitialisedBuffers", "zero.Init")])
+def test_modules_build_like_zero_init(tmp_path, name, outer):
+    run_world(2, _builds_like_zero_init, name, str(tmp_path / "m.safetensors"), outer)
+
+
+def _refusals():
+    with pytest.raises(zload.ZloadError, match=r"MaskFromParameter\.mask ended up on the meta device"):
+        with zload.init(dtype_config(torch.float32)):
+            MaskFromParameter()
+    quantized = {**dtype_config(torch.float32), "weight_quantization": {"quantized_initialization": {
+        "num_bits": 8, "group_size": 64, "group_dim": 1, "symmetric": False}}}
+    with pytest.raises(zload.ZloadError, match="weight-quantized"):
+        with zload.init(quantized):
+            nn.Linear(128, 64)
+    with zload.init(dtype_config(torch.float32), enabled=False):
+        plain = nn.Linear(4, 4)
+    assert not hasattr(plain.weight, "ds_id") and plain(torch.ones(1, 4)).shape == (1, 4)
+
+
+def test_refuses_what_it_cannot_build_and_steps_aside_when_disabled():
+    run_world(1, _refusals)
+
+
+_FRESH_PROCESS = """
+import os, torch, deepspeed, sys
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+import zload
+assert "torch._dynamo" not in sys.modules
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.lin.weight.data.normal_(0, 0.02)
+        self.register_buffer("r", torch.randn(3, generator=torch.Generator().manual_seed(0)))
+with deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}):
+    with zload.init({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}):
+        M()
+print("built")
+"""
+
+
+def test_meta_operations_work_in_a_process_that_never_imported_dynamo():
+    """A meta operation imports torch._dynamo on first use, which fails under zero.Init's
+    Tensor.__new__ (also when zload.init is opened inside zero.Init)."""
+    from .harness import free_port
+
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(free_port())], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "built" in done.stdout, done.stderr[-3000:]

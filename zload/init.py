@@ -6,7 +6,7 @@ model once. For a model that ``load_into`` fills right after, all of that is was
 ``init``:
 
 - the tensor constructors that make parameters (``torch.empty``, ``zeros``, ``ones``, ``full``,
-  ``randn``), called while a module's ``__init__`` runs, return *deferred* tensors: meta tensors
+  ``rand``, ``randn``), called while a module's ``__init__`` runs, return *deferred* tensors: meta tensors
   that remember the call that makes them;
 - a parameter made from one becomes a ZeRO-3 parameter whose partition DeepSpeed allocates (final
   dtype, device, pinning, NVMe) and zload zeroes. Until the context exits its ``data`` is a meta
@@ -16,8 +16,11 @@ model once. For a model that ``load_into`` fills right after, all of that is was
   and so does the end of the context for every one still held (a buffer no operation used yet),
   so buffers computed in ``__init__`` (rotary ``inv_freq``, position ids) come out exactly as under
   ``zero.Init``;
-- nothing initialises weights (``torch.nn.init``, transformers' ``initialize_weights``) and nothing
-  is broadcast or gathered.
+- nothing initialises parameters (``torch.nn.init`` skips them, transformers'
+  ``initialize_weights`` is off) and nothing is broadcast or gathered;
+- until then a parameter answers ``device`` and ``new_*`` as its partitioned self will, so
+  tensors made "on the weight's device" are real; moving one (``module.to``) or DeepSpeed
+  gathering it (``GatheredParameters`` in ``__init__``) first gives it its empty real data.
 
 Each parameter is marked until a load writes it; ``load_into`` refuses to leave a marked parameter
 unwritten (``strict=True``) or warns about it (``strict=False``).
@@ -25,25 +28,32 @@ unwritten (``strict=True``) or warns about it (``strict=False``).
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .errors import ZloadError
+
 _UNLOADED = "_zload_unloaded"  # set on each parameter built by ``init`` until a load writes it
-_RECIPE = "_zload_recipe"  # on a deferred tensor: (constructor, args, kwargs) that make it
-_DEFERRED_CONSTRUCTORS = ("empty", "zeros", "ones", "full", "randn")
+_RECIPE = "_zload_recipe"  # on a deferred tensor: (constructor, args, kwargs, device it will be on)
+_DEFERRED_CONSTRUCTORS = ("empty", "zeros", "ones", "full", "randn", "rand")
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
                    "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
                    "kaiming_normal_", "orthogonal_", "sparse_")
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
              torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.requires_grad_,
              torch.Tensor.__len__}
-
-
-def _leave_as_is(tensor, *args, **kwargs):
-    return tensor
+# attributes that a meta tensor answers exactly as the real one will (``device`` is answered apart)
+_SHAPE_ATTRIBUTES = {"shape", "dtype", "ndim", "layout", "requires_grad", "is_leaf", "grad_fn",
+                     "grad", "names", "itemsize", "nbytes"}
+_NEW_LIKE = {torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+             torch.Tensor.new_full, torch.Tensor.new_tensor}
+_MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
+_active = False  # an ``init`` is open in this process: a nested one adds nothing
 
 
 @contextmanager
@@ -56,20 +66,34 @@ def _replaced(owner, name, value):
         setattr(owner, name, saved)
 
 
+def _has_no_values(tensor) -> bool:
+    """A parameter built by ``init`` (meta until the context exits, or partitioned): initialising
+    it would only be discarded by the load."""
+    return hasattr(tensor, "ds_id") or (_RECIPE not in tensor.__dict__ and tensor.is_meta)
+
+
+def _skipping_parameters(initialise):
+    def initialise_unless_parameter(tensor, *args, **kwargs):
+        return tensor if _has_no_values(tensor) else initialise(tensor, *args, **kwargs)
+    return initialise_unless_parameter
+
+
 @contextmanager
 def _no_weight_init():
-    """``torch.nn.init`` (and transformers' guarded copies of it) do nothing while active."""
+    """``torch.nn.init`` (and transformers' guarded copies of it) leave parameters alone while
+    active; a buffer they initialise (fixed random features, a constant) is made and initialised
+    as usual."""
     with ExitStack() as stack:
         for name in _INIT_FUNCTIONS:
-            stack.enter_context(_replaced(torch.nn.init, name, _leave_as_is))
+            stack.enter_context(_replaced(torch.nn.init, name, _skipping_parameters(getattr(torch.nn.init, name))))
         hf = sys.modules.get("transformers.initialization")
         if hf is not None:
             saved = dict(hf.TORCH_INIT_FUNCTIONS)
-            hf.TORCH_INIT_FUNCTIONS.update(dict.fromkeys(hf.TORCH_INIT_FUNCTIONS, _leave_as_is))
+            hf.TORCH_INIT_FUNCTIONS.update({name: _skipping_parameters(f) for name, f in saved.items()})
             stack.callback(hf.TORCH_INIT_FUNCTIONS.update, saved)
         modeling = sys.modules.get("transformers.modeling_utils")  # optional: transformers models
         if modeling is not None:  # their initialize_weights; tie_weights still runs
-            stack.enter_context(_replaced(modeling.PreTrainedModel, "initialize_weights", _leave_as_is))
+            stack.enter_context(_replaced(modeling.PreTrainedModel, "initialize_weights", lambda self: None))
         yield
 
 
@@ -87,7 +111,7 @@ def _tensors_in(value):
 def _make(tensor: torch.Tensor) -> None:
     """Turn a deferred tensor into the real one, in place (same Python object), by the call a
     normal construction makes."""
-    construct, args, kwargs = tensor.__dict__.pop(_RECIPE)
+    construct, args, kwargs, _ = tensor.__dict__.pop(_RECIPE)
     torch.utils.swap_tensors(tensor, construct(*args, **kwargs))
 
 
@@ -103,64 +127,135 @@ def _in_module_init() -> bool:
 
 
 class _Deferral(TorchFunctionMode):
-    """Makes a deferred tensor before any operation but a metadata query uses it; while DeepSpeed
-    partitions a parameter that has no values yet (``partitioning``), its copies from that
-    parameter into the partition are skipped."""
+    """Makes a deferred tensor before any operation but a shape query uses it; a parameter waiting
+    for its partition answers ``device`` and ``new_*`` as its partitioned self will. While
+    DeepSpeed partitions a parameter that has no values yet (``partitioning``), its copies from
+    that parameter into the partition are skipped."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
         super().__init__()
+        self.device = device  # where zero.Init puts parameters and the tensors it constructs
         self.partitioning = False
-        self.deferred = []  # every deferred tensor, so that the ones still held at the end are made
+        self.deferred = []  # in creation order: the ones something else still holds at the end are made
+
+    def _device_of(self, tensor):
+        """The device ``tensor`` has under zero.Init, or None if it is what it looks like (or
+        DeepSpeed is partitioning, and must see parameters as they are)."""
+        if self.partitioning:
+            return None
+        if _RECIPE in tensor.__dict__:
+            return tensor.__dict__[_RECIPE][3]
+        if isinstance(tensor, torch.nn.Parameter) and tensor.is_meta:
+            return self.device
+        return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.partitioning and func is torch.Tensor.copy_ and args[1].is_meta and not args[0].is_meta:
             return args[0]
-        if func not in _METADATA and not (getattr(func, "__name__", "") in ("__get__", "__set__")
-                                          and getattr(func.__self__, "__name__", "") != "data"):
+        attribute = func.__self__.__name__ if getattr(func, "__name__", "") in ("__get__", "__set__") else None
+        if attribute == "device" and self._device_of(args[0]) is not None:
+            return self._device_of(args[0])
+        if args and hasattr(args[0], "ds_id") and args[0].is_meta and (
+                func in _MOVES or (attribute == "data" and func.__name__ == "__set__" and not args[1].is_meta)):
+            _leave_meta(args[0], self.device)  # moved (module.to) or gathered (GatheredParameters) as under zero.Init
+        if func in _NEW_LIKE and self._device_of(args[0]) is not None and _RECIPE not in args[0].__dict__:
+            args = (torch.empty(0, dtype=args[0].dtype, device=self.device), *args[1:])
+        if func not in _METADATA and attribute not in _SHAPE_ATTRIBUTES:
             for tensor in _tensors_in((args, kwargs)):
                 if _RECIPE in tensor.__dict__:
                     _make(tensor)
         return func(*args, **kwargs)
 
-    def deferring(self, construct):
+    def deferring(self, construct, library_dir: str):
         """``construct`` (a torch constructor, as zero.Init has wrapped it), returning a deferred
-        tensor where a module's ``__init__`` calls it."""
+        tensor where a module's ``__init__`` calls it (not where DeepSpeed or this module does,
+        e.g. to gather parameters)."""
         def construct_or_defer(*args, **kwargs):
             if (self.partitioning or str(kwargs.get("device")) == "meta"
+                    or sys._getframe(1).f_code.co_filename.startswith((library_dir, __file__))
                     or any(True for _ in _tensors_in((args, kwargs))) or not _in_module_init()):
                 return construct(*args, **kwargs)
             tensor = construct(*args, **{**kwargs, "device": "meta"})
-            tensor.__dict__[_RECIPE] = (construct, args, kwargs)
+            tensor.__dict__[_RECIPE] = (construct, args, kwargs, self._future_device(kwargs.get("device")))
             self.deferred.append(tensor)
             return tensor
         return construct_or_defer
 
+    def _future_device(self, requested) -> torch.device:
+        if requested is None:
+            return self.device
+        device = torch.device(requested)
+        return self.device if device.type == self.device.type and device.index is None else device
+
     def make_the_held(self) -> None:
-        """Make every deferred tensor that something besides this list still holds (a buffer or
-        attribute no operation has used yet); the others were only ever the data of parameters."""
+        """Make, in creation order, every deferred tensor that something besides this list still
+        holds (a buffer or attribute no operation has used yet); the others were only ever the
+        data of parameters. (Not weak references: ``swap_tensors`` refuses a tensor that has one.)"""
         deferred, self.deferred = self.deferred, []
-        while deferred:
-            tensor = deferred.pop()
+        for i in range(len(deferred)):
+            tensor, deferred[i] = deferred[i], None
             if _RECIPE in tensor.__dict__ and sys.getrefcount(tensor) > 2:  # 2: ``tensor``, the argument
                 _make(tensor)
 
 
+def _import_dynamo() -> None:
+    """Meta operations import ``torch._dynamo`` on first use, and that import fails while zero.Init's
+    ``Tensor.__new__`` is in place: import it beforehand, under torch's own."""
+    if "torch._dynamo" in sys.modules:
+        return
+    from deepspeed.runtime.zero import partition_parameters
+
+    nested = partition_parameters.zero_init_context > 0  # an outer zero.Init has patched it
+    with _replaced(torch.Tensor, "__new__", torch.Tensor.__old_new__) if nested else nullcontext():
+        importlib.import_module("torch._dynamo")
+
+
+def _refuse_quantization(zero_init) -> None:
+    if zero_init.quantized_initialization or zero_init.quantized_nontrainable_weights:
+        raise ZloadError(
+            "zload.init does not build weight-quantized parameters (DeepSpeed's "
+            "weight_quantization.quantized_initialization or zero_quantized_nontrainable_weights "
+            "is on), and zload cannot load into them: build this model with deepspeed.zero.Init "
+            "and without quantized weights, or turn those options off")
+
+
+def _meta_leftovers(modules) -> list[str]:
+    """Buffers and parameters still on the meta device: computed from a parameter inside ``init``,
+    where parameters have no values."""
+    return [f"{type(module).__name__}.{name}" for module in modules
+            for table in (module._buffers, module._parameters)
+            for name, tensor in table.items() if tensor is not None and tensor.is_meta]
+
+
 @contextmanager
-def init(config=None, *, dtype: torch.dtype | None = None, **zero_init_kwargs):
+def init(config=None, *, dtype: torch.dtype | None = None, enabled: bool = True, **zero_init_kwargs):
     """Like ``deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, ...)``, for a model that
     ``zload.load_into`` will fill completely: no full-size parameter is ever allocated, no weight
     initialised, nothing broadcast.
 
-    Parameters hold zeros (or, if computed rather than constructed, their constructor's values)
-    until loaded; ``load_into`` raises (``strict=True``) or warns (``strict=False``) if a load
-    leaves any of them unwritten.
+    Parameters hold zeros until loaded; ``load_into`` raises (``strict=True``) or warns
+    (``strict=False``) if a load leaves any of them unwritten. Buffers are made by the calls a
+    normal construction makes, but after the module's parameters, so a buffer drawn from the
+    global random generator gets other values than under ``zero.Init`` (which also draws every
+    parameter's initialisation from it). A parameter made by any other call (``torch.arange``,
+    ``torch.eye``, arithmetic) is built at full size and then partitioned, as under ``zero.Init``.
     """
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import Init
 
-    deferral = _Deferral()
+    global _active
+    if _active or not enabled:  # zero.Init nests the same way: the outermost one decides
+        with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, enabled=enabled, **zero_init_kwargs):
+            yield
+        return
+    _import_dynamo()
+
+    zero_init = deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, **zero_init_kwargs)
+    _refuse_quantization(zero_init)
+    deferral = _Deferral(zero_init.local_device)
     built = []  # (parameter, device its empty data lives on once partitioned)
+    modules = []  # every module built, to check that nothing was left on meta
 
     def partition_without_broadcast(self, param):
         self._convert_to_deepspeed_param(param)
@@ -168,8 +263,9 @@ def init(config=None, *, dtype: torch.dtype | None = None, **zero_init_kwargs):
         setattr(param, _UNLOADED, True)
 
     def partition_without_values(self, param):
-        """A parameter made from a deferred tensor: its partition is allocated and zeroed (the
-        load's reads would fault its pages in anyway, and do so slower: measured), not computed."""
+        """A parameter made from a deferred tensor: its partition is allocated and zeroed, not
+        computed (zeros, so that one a non-strict load leaves unwritten is not whatever memory
+        held; the load would fault the pages in anyway)."""
         self._convert_to_deepspeed_param(param)
         param.partition()
         if param.ds_tensor.final_location is None:  # not swapped out to NVMe
@@ -181,33 +277,44 @@ def init(config=None, *, dtype: torch.dtype | None = None, **zero_init_kwargs):
     post_init = Init._post_init_method
 
     def post_init_after_deferral(self, module):
+        """Also a child's parameter that this module's ``__init__`` replaced (``self.head.weight
+        = nn.Parameter(...)``): DeepSpeed only looks at a module's own."""
+        modules.append(module)
         deferral.partitioning = True
         try:
-            for param in module.parameters(recurse=False):
+            for param in module.parameters():
                 if param.is_meta and not hasattr(param, "ds_id"):
                     partition_without_values(self, param)
             post_init(self, module)
         finally:
             deferral.partitioning = False
 
+    _active = True
     try:
         with ExitStack() as stack:
             stack.enter_context(_replaced(Init, "_zero_init_param", partition_without_broadcast))
             stack.enter_context(_replaced(Init, "_post_init_method", post_init_after_deferral))
             stack.enter_context(_no_weight_init())
-            stack.enter_context(deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype,
-                                                    **zero_init_kwargs))
+            stack.enter_context(zero_init)
             old_apply = getattr(torch.nn.Module, "_old_apply", None)
             if old_apply is not None:  # zero.Init's gathering apply: there is nothing to gather yet
                 stack.enter_context(_replaced(torch.nn.Module, "apply", old_apply))
             for name in _DEFERRED_CONSTRUCTORS:
-                stack.enter_context(_replaced(torch, name, deferral.deferring(getattr(torch, name))))
+                stack.enter_context(_replaced(torch, name, deferral.deferring(
+                    getattr(torch, name), os.path.dirname(deepspeed.__file__))))
             stack.enter_context(deferral)
             yield
     finally:
+        _active = False
         deferral.make_the_held()
         for param, device in built:
             _leave_meta(param, device)
+    leftovers = _meta_leftovers(modules)
+    if leftovers:
+        raise ZloadError(
+            f"zload.init: {', '.join(leftovers)} ended up on the meta device: computed in __init__ "
+            "from a parameter, which has no values inside zload.init. Compute it in forward() or "
+            "after loading, or build this model with deepspeed.zero.Init")
 
 
 def _leave_meta(param: torch.nn.Parameter, device) -> None:
