@@ -57,15 +57,15 @@ MB = 1e6
 # ---------------------------------------------------------------------------------------------
 # Sizes and the checkpoint
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
 def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 300MB, 1GB, 64MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    """A size as ``zload.save(max_shard_size=...)`` reads it (``300MB``, ``64MiB``, bytes)."""
+    from zload.errors import ZloadError
+    from zload.saving import parse_size  # imported here: the launcher itself does not load torch
+
+    try:
+        return parse_size(text)
+    except ZloadError as e:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 300MB, 1GB, 64MiB)") from e
 
 
 def parse_size_spec(text: str) -> tuple[str, int, list[int] | None]:

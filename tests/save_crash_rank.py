@@ -6,7 +6,7 @@ rank CRASH_RANK a point of the save, CRASH_AT, is patched to kill the process th
 CRASH_AT=raise, to make a write fail with an OSError. Every rank that returns writes
 RESULTS/rank<r>.json; the killed rank leaves RESULTS/killed-rank<r> just before it dies.
 
-CRASH_AT (the names are those of ``zload/save.py`` and ``zload/savedir.py``):
+CRASH_AT (the names are those of ``zload/saving.py`` and ``zload/savedir.py``):
   plan      after ``plan_writes`` (this rank planned, nothing created yet)
   create    after ``_create_files`` (rank 0: the staging folder and its empty shards exist)
   write     after the first ``_pwrite_all`` (one chunk of this rank's partitions written)
@@ -37,7 +37,7 @@ import zload  # noqa: E402
 from tests import models  # noqa: E402
 from tests.zero3 import build_zero  # noqa: E402
 
-save_module = sys.modules["zload.save"]  # ``zload.save`` is the function
+import zload.saving as save_module  # noqa: E402
 
 
 def _die() -> None:
@@ -50,7 +50,7 @@ def _die() -> None:
 
 
 def _wrap(owner, name: str, before=None, after=None) -> None:
-    original = getattr(owner, name)  # AttributeError: zload/save.py renamed the function
+    original = getattr(owner, name)  # AttributeError: zload/saving.py renamed the function
 
     def wrapper(*args, **kwargs):
         if before:
@@ -70,7 +70,7 @@ def _fail(error: int, message: str):
 
 
 def _owner(where: str):
-    """``"zload.savedir:SaveFolder"`` -> that class; ``"zload.save"`` -> that module."""
+    """``"zload.savedir:SaveFolder"`` -> that class; ``"zload.saving"`` -> that module."""
     module, _, name = where.partition(":")
     owner = sys.modules[module] if module != "dist" else dist
     return getattr(owner, name) if name else owner
@@ -80,18 +80,18 @@ def install_crash(point: str) -> None:
     die = lambda *a, **k: _die()  # noqa: E731
     folder = "zload.savedir:SaveFolder"
     points = {  # kill point -> (owner, function, wrapper's before / after)
-        "plan": ("zload.save", "plan_writes", {"after": die}),
-        "create": ("zload.save", "_create_files", {"after": die}),
-        "write": ("zload.save", "_pwrite_all", {"after": die}),
+        "plan": ("zload.saving", "plan_writes", {"after": die}),
+        "create": ("zload.saving", "_create_files", {"after": die}),
+        "write": ("zload.saving", "_pwrite_all", {"after": die}),
         "send": ("dist", "send", {"after": die}),
-        "publish": ("zload.save", "_publish", {"before": die}),
+        "publish": ("zload.saving", "_publish", {"before": die}),
         "moved": (folder, "_move_in", {"after": die}),
         "committed": (folder, "_commit", {"after": die}),
         "finish": (folder, "finish", {"before": die}),
-        "raise": ("zload.save", "_pwrite_all", {"before": _fail(errno.EIO, "injected write failure")}),
+        "raise": ("zload.saving", "_pwrite_all", {"before": _fail(errno.EIO, "injected write failure")}),
         "raise-commit": (folder, "_commit", {"before": _fail(errno.EACCES, "injected: permission denied")}),
-        "raise-pack": ("zload.save", "_pack", {"before": _fail(errno.EIO, "injected: cannot read")}),
-        "raise-digest": ("zload.save", "data_digest", {"before": _fail(errno.EDQUOT, "injected: quota exceeded")}),
+        "raise-pack": ("zload.saving", "_pack", {"before": _fail(errno.EIO, "injected: cannot read")}),
+        "raise-digest": ("zload.saving", "data_digest", {"before": _fail(errno.EDQUOT, "injected: quota exceeded")}),
     }
     if point in points:
         owner, name, when = points[point]
@@ -121,7 +121,7 @@ def main() -> None:
         model = build_zero(models.Awkward)
         zload.load_into(model, os.environ["IN"])
         report = zload.save(model, out, max_shard_size=int(os.environ.get("MAX_SHARD", "200")),
-                            shared_filesystem=shared, buffer_bytes=64)
+                            shared_filesystem=shared, staging_bytes=64)
         result.update(ok=True, files=report.files, written=report.bytes_written)
     except zload.ZloadError as e:
         result.update(error_type=type(e).__name__, message=str(e))

@@ -18,13 +18,14 @@ def test_partitions_tile_the_tensor_like_deepspeed(world):
             part = Partition(numel, world, rank)
             assert part.size * world - numel < world  # DeepSpeed's padding is less than one per rank
             assert part.size == (numel + world - 1) // world
-            covered.extend(range(part.start, part.start + part.valid))
+            covered.extend(range(*part.owned))
         assert covered == list(range(numel))
 
 
 def test_padding_can_span_several_ranks():
     assert [Partition(1, 3, r).valid for r in range(3)] == [1, 0, 0]
     assert [Partition(5, 4, r).valid for r in range(4)] == [2, 2, 1, 0]
+    assert [Partition(5, 4, r).owned for r in range(4)] == [(0, 2), (2, 4), (4, 5), (6, 6)]
 
 
 def _index(*entries):

@@ -20,7 +20,7 @@ def _save_and_report(load_path, out, max_shard_size, shared):
     model = build_zero(models.Awkward)
     zload.load_into(model, load_path)
     report = zload.save(model, out, max_shard_size=max_shard_size, shared_filesystem=shared,
-                        buffer_bytes=64)
+                        staging_bytes=64)
     return report.files, report.bytes_written
 
 
@@ -176,3 +176,30 @@ def test_a_link_to_a_folder_is_written_through(tmp_path):
     assert _files(real) == dict(files, **{"model.safetensors": (real / "model.safetensors").read_bytes()})
     saved = load_file(str(real / "model.safetensors"))
     assert all(torch.equal(saved[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("sizes,limit", [((3, 20, 3), 10), ((6, 6, 2, 6, 2, 2), 10), ((4, 4), 100), ((11,), 10)])
+def test_shards_are_the_ones_huggingface_hub_makes(sizes, limit):
+    """transformers' save_pretrained shards with huggingface_hub's splitter; a tensor over the
+    limit gets a shard of its own (3, 20, 3 under 10: two shards, not three)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from zload.saving import OutTensor, layout
+
+    state = {f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
+    want = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                              max_shard_size=limit).filename_to_tensors
+    files = layout([OutTensor(name, "uint8", tuple(t.shape), ()) for name, t in state.items()], limit)
+    assert {f.name: [t.name for t, _ in f.tensors] for f in files} == want
+
+
+def _saved_under_the_old_name(out):
+    model = build_zero(models.Awkward)
+    with pytest.warns(FutureWarning, match="staging_bytes"):
+        report = zload.save(model, out, max_shard_size=200, buffer_bytes=64)
+    return report.files
+
+
+def test_buffer_bytes_is_the_old_name_of_staging_bytes(tmp_path):
+    """load_into and save name their I/O buffer the same; save's old name still works, with a warning."""
+    assert run_world(2, _saved_under_the_old_name, str(tmp_path / "out"))[0]

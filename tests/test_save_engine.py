@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import zload
-from zload.save import parse_size
+from zload.saving import parse_size
 
 from .checkpoints import metadata_with_digest
 from .harness import run_world
@@ -198,9 +198,9 @@ def _save_body(kind, root):
         "out": zload.save(model, root / "out", max_shard_size=SHARD),
         "bf16": zload.save(model, root / "bf16", max_shard_size="8KB", dtype=torch.bfloat16),
         "shared": zload.save(model, root / "shared", max_shard_size=SHARD, shared_filesystem=True,
-                             buffer_bytes=100),
+                             staging_bytes=100),
         "stream": zload.save(model, root / "stream", max_shard_size=SHARD, shared_filesystem=False,
-                             buffer_bytes=100),
+                             staging_bytes=100),
         "big": zload.save(model, root / "big", max_shard_size=3000),
     }
     try:
@@ -347,7 +347,7 @@ def test_saved_at_3_loaded_at_other_world_sizes(saved_at_3, kind, world):
 # ---------------------------------------------------------------------------------------------
 # E: detection, when each rank sees its own directory at the same path
 
-def _save_on_node(node_dirs, buffer_bytes):
+def _save_on_node(node_dirs, staging_bytes):
     cls, make_config = KINDS["llama"]
     model = _build_nested_zero3(cls, make_config(), torch.float32)
     _randomize(model, seed=len("llama"))  # the same weights as saved_at_3["llama"]
@@ -355,7 +355,7 @@ def _save_on_node(node_dirs, buffer_bytes):
     cwd = os.getcwd()
     try:
         os.chdir(node_dirs[dist.get_rank()])
-        report = zload.save(model, "out", max_shard_size=SHARD, buffer_bytes=buffer_bytes)
+        report = zload.save(model, "out", max_shard_size=SHARD, staging_bytes=staging_bytes)
         loaded = zload.load_into(fresh, "out")  # only rank 0 has it: the others are sent their bytes
     finally:
         os.chdir(cwd)

@@ -6,16 +6,17 @@ Each rank reads (or writes) only the bytes of the partitions it owns; nothing is
 import logging
 
 from .errors import CheckpointError, PeerLostError, PlanError, ZloadError, ZloadWarning
-from .index import open_checkpoint
-from .init import init
+from .index import CheckpointIndex, open_checkpoint
+from .building import init
 from .load import load_into
+from .names import KeyMap
 from .report import LoadReport, SaveReport
-from .save import save
+from .saving import save
 
 __version__ = "0.1.0"
 
 # Quiet by default: an application that configures logging sees zload's INFO/DEBUG records.
 logging.getLogger("zload").addHandler(logging.NullHandler())
 
-__all__ = ["load_into", "save", "init", "open_checkpoint", "LoadReport", "SaveReport", "ZloadError", "CheckpointError",
-           "PlanError", "PeerLostError", "ZloadWarning", "__version__"]
+__all__ = ["load_into", "save", "init", "open_checkpoint", "CheckpointIndex", "KeyMap", "LoadReport", "SaveReport",
+           "ZloadError", "CheckpointError", "PlanError", "PeerLostError", "ZloadWarning", "__version__"]

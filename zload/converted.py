@@ -77,7 +77,7 @@ def _deliver_partition(target, tensor, dst: torch.Tensor, reader: int) -> None:
     group is smaller than the world: then every rank receives the tensor and keeps its slice."""
     part = target.partition
     rank, world = rank_and_world()
-    mine = slice(part.start, part.start + part.valid)
+    mine = slice(*part.owned)
     if world == 1:
         dst[:part.valid].copy_(tensor[mine])
         return

@@ -30,7 +30,7 @@ from .errors import PeerLostError, ZloadError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .hub import resolve_checkpoint
 from .index import CheckpointIndex
-from .init import is_unloaded, mark_loaded
+from .building import is_unloaded, mark_loaded
 from .kernels import scatter_cast, zero_segment
 from .names import KeyMap, match
 from .plan import LoadPlan, make_plan

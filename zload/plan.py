@@ -75,7 +75,7 @@ def _reads(target: Target, index: int, source: Source) -> list[ReadItem]:
     """The byte ranges of the checkpoint this rank needs for ``target``: for a ZeRO-3 partition
     only the elements it owns, which is one contiguous range of each piece."""
     if target.kind == PARTITION:
-        low, high = target.partition.start, target.partition.start + target.partition.valid
+        low, high = target.partition.owned
     else:
         low, high = 0, prod(source.shape)
     items = []

@@ -41,6 +41,11 @@ class Partition:
     def valid(self) -> int:
         return max(0, min(self.size, self.numel - self.start))
 
+    @property
+    def owned(self) -> tuple[int, int]:
+        """``[low, high)``: the elements of the full tensor this rank's partition holds."""
+        return self.start, self.start + self.valid
+
 
 @dataclass(frozen=True)
 class Target:

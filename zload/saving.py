@@ -37,11 +37,11 @@ from .distributed import (
     stage,
 )
 from .errors import ZloadError, ZloadWarning
-from .execute import reader_count
+from .execute import DEFAULT_STAGING_BYTES, reader_count
 from .index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
 from .names import conversion_registry, match, peft_info, peft_role, transformers_model
 from .report import SaveReport
-from .savedir import LOCK, STAGING_PREFIX, SaveFolder, shard_name
+from .savedir import LOCK, STAGING_PREFIX, SaveFolder
 from .targets import ORPHAN, PARTITION, Target, collect_targets, dtype_name, unwrap
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -91,19 +91,16 @@ def parse_size(size: int | str) -> int:
 
 
 def layout(tensors: list[OutTensor], max_shard_bytes: int, single_name: str = SINGLE_FILE) -> list[OutFile]:
-    """Shards in the order given, each closed before it would exceed ``max_shard_bytes``;
-    one file keeps ``single_name``, several are named ``model-0000k-of-0000N.safetensors``."""
-    groups: list[list[OutTensor]] = [[]]
-    size = 0
-    for tensor in tensors:
-        if groups[-1] and size + tensor.nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(tensor)
-        size += tensor.nbytes
-    names = [single_name] if len(groups) == 1 else [
-        shard_name(single_name, k, len(groups)) for k in range(len(groups))]
-    return [_file(name, group) for name, group in zip(names, groups)]
+    """The shards transformers' ``save_pretrained`` writes for these tensors: huggingface_hub's
+    splitter (in order, a shard closed before it would exceed ``max_shard_bytes``, a larger tensor
+    alone in its own); one file keeps ``single_name``, several are ``model-0000k-of-0000N.safetensors``."""
+    from huggingface_hub import split_state_dict_into_shards_factory  # lazily: zload imports without it
+
+    split = split_state_dict_into_shards_factory(
+        {t.name: t for t in tensors}, get_storage_size=lambda t: t.nbytes, max_shard_size=max_shard_bytes,
+        filename_pattern=single_name.replace(".safetensors", "{suffix}.safetensors"))
+    by_name = {t.name: t for t in tensors}
+    return [_file(name, [by_name[key] for key in keys]) for name, keys in split.filename_to_tensors.items()]
 
 
 def _file(name: str, tensors: list[OutTensor]) -> OutFile:
@@ -223,7 +220,7 @@ def plan_writes(files: list[OutFile], targets: list[Target], rank: int, world: i
             for i, model_offset, out_offset, numel in tensor.pieces:
                 target = targets[i]
                 if target.kind == PARTITION:
-                    low, high = target.partition.start, target.partition.start + target.partition.valid
+                    low, high = target.partition.owned
                 elif i % world == rank:
                     low, high = 0, prod(target.shape)
                 else:
@@ -260,9 +257,9 @@ def _split(item: WriteItem, max_bytes: int) -> list[WriteItem]:
             for first in range(0, item.numel, step)]
 
 
-def _chunks(item: WriteItem, source: torch.Tensor, buffer_bytes: int):
-    """(byte offset, bytes) of ``item`` in pieces of at most ``buffer_bytes``, cast on the way."""
-    for part in _split(item, buffer_bytes):
+def _chunks(item: WriteItem, source: torch.Tensor, staging_bytes: int):
+    """(byte offset, bytes) of ``item`` in pieces of at most ``staging_bytes``, cast on the way."""
+    for part in _split(item, staging_bytes):
         chunk = source[part.src_offset:part.src_offset + part.numel]
         chunk = chunk.detach().to(device="cpu", dtype=getattr(torch, part.dtype)).contiguous()
         yield part.offset, memoryview(chunk.view(torch.uint8).numpy())
@@ -293,12 +290,12 @@ class _Files:
         self.fds = {}
 
 
-def _write_local(items, sources, folder: str, buffer_bytes: int) -> int:
+def _write_local(items, sources, folder: str, staging_bytes: int) -> int:
     files = _Files(folder)
     written = 0
     try:
         for item in items:
-            for offset, data in _chunks(item, sources[item.target], buffer_bytes):
+            for offset, data in _chunks(item, sources[item.target], staging_bytes):
                 _pwrite_all(files.fd(item.file), data, offset)
                 written += len(data)
     finally:
@@ -306,7 +303,7 @@ def _write_local(items, sources, folder: str, buffer_bytes: int) -> int:
     return written
 
 
-def _stream_to_rank0(items, sources, folder: str, buffer_bytes: int,
+def _stream_to_rank0(items, sources, folder: str, staging_bytes: int,
                      problems: list) -> tuple[int, list]:
     """No shared filesystem: every rank sends its slices to rank 0, one bounded batch at a time,
     ranks in order; rank 0 writes them. Returns (bytes this rank wrote or sent, problems).
@@ -319,12 +316,12 @@ def _stream_to_rank0(items, sources, folder: str, buffer_bytes: int,
 
     rank, world = rank_and_world()
     device = comm_device()  # NCCL takes GPU tensors only
-    mine = _batch(items, buffer_bytes)
+    mine = _batch(items, staging_bytes)
     batches = exchange([[(i.file, i.offset, i.nbytes) for i in batch] for batch in mine])
     if rank == 0:
         done = 0
         if not problems:
-            done, problems = problems_of("writing", lambda: _write_local(items, sources, folder, buffer_bytes))
+            done, problems = problems_of("writing", lambda: _write_local(items, sources, folder, staging_bytes))
         files = _Files(folder)
         for sender in range(1, world):
             for batch in batches[sender]:
@@ -371,12 +368,12 @@ def _write_batch(files: _Files, batch, data: torch.Tensor) -> None:
         position += nbytes
 
 
-def _batch(items: list[WriteItem], buffer_bytes: int) -> list[list[WriteItem]]:
-    """Items split and packed into batches of at most ``buffer_bytes`` (same on every rank)."""
+def _batch(items: list[WriteItem], staging_bytes: int) -> list[list[WriteItem]]:
+    """Items split and packed into batches of at most ``staging_bytes`` (same on every rank)."""
     batches, batch, size = [], [], 0
     for item in items:
-        for part in _split(item, buffer_bytes):
-            if batch and size + part.nbytes > buffer_bytes:
+        for part in _split(item, staging_bytes):
+            if batch and size + part.nbytes > staging_bytes:
                 batches.append(batch)
                 batch, size = [], 0
             batch.append(part)
@@ -531,7 +528,8 @@ def _publish(folder: SaveFolder, module, single: str, files: list[OutFile]) -> N
 @collector_paused()
 def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          dtype: torch.dtype | None = None, master_weights: bool = False,
-         shared_filesystem: bool | None = None, buffer_bytes: int = 64 << 20) -> SaveReport:
+         shared_filesystem: bool | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
+         buffer_bytes: int | None = None) -> SaveReport:
     """Write ``model`` (an nn.Module, ZeRO-3 or not, or a DeepSpeedEngine) to the folder ``path``.
 
     Layout as transformers writes it: ``model.safetensors``, or shards of at most
@@ -540,12 +538,17 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     adapter alone, as peft does (``adapter_model.safetensors`` + ``adapter_config.json``).
     Every parameter (trainable or frozen) and persistent buffer is written at full shape, tied
     weights once. No rank gathers anything: each writes its own partitions, in pieces of at most
-    ``buffer_bytes``. ``dtype`` converts on the way; ``master_weights`` writes a live engine's fp32
+    ``staging_bytes``. ``dtype`` converts on the way; ``master_weights`` writes a live engine's fp32
     master weights of trainable parameters. ``shared_filesystem=None`` detects whether all ranks
     see the same folder; if not, ranks stream their slices to rank 0. Must be called by every rank.
     Only zload's own files in ``path`` are written or removed (see ``zload.savedir``); a checkpoint
     already there is replaced only once every rank has succeeded, in one rename.
+    ``buffer_bytes`` is the former name of ``staging_bytes`` (as ``load_into`` calls it).
     """
+    if buffer_bytes is not None:
+        warnings.warn("zload.save(buffer_bytes=...) is now staging_bytes=..., as in load_into; "
+                      "buffer_bytes will be removed", FutureWarning, stacklevel=3)
+        staging_bytes = buffer_bytes
     started = time.perf_counter()
     rank, world = rank_and_world()
     module, engine = unwrap(model)
@@ -589,10 +592,10 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
             sources, problems = problems_of("finding the partitions to write",
                                             lambda: _sources(targets, master_weights))
             if not shared:
-                written, problems = _stream_to_rank0(items, sources, staging, buffer_bytes, problems)
+                written, problems = _stream_to_rank0(items, sources, staging, staging_bytes, problems)
             elif not problems:
                 written, problems = problems_of(
-                    "writing", lambda: _write_local(items, sources, staging, buffer_bytes))
+                    "writing", lambda: _write_local(items, sources, staging, staging_bytes))
             agree(problems, failed)
             converted_bytes, gathered = _write_converted(module, targets, files, staging, shared,
                                                          master_weights, failed)
