@@ -26,3 +26,21 @@ def test_no_function_hides_its_module():
     assert callable(zload.save) and callable(zload.init)
     assert importlib.import_module("zload.saving").save is zload.save
     assert importlib.import_module("zload.building").init is zload.init
+
+
+def test_modules_meet_through_public_names():
+    """No zload module imports another's private names or reaches into another object's private
+    members (``self._reader._queue``): each boundary is a public seam."""
+    import ast
+    from pathlib import Path
+
+    crossings = []
+    for path in sorted(Path(zload.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                crossings += [f"{path.name}: imports {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+            elif (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                  and isinstance(node.value, ast.Attribute) and node.value.attr.startswith("_")):
+                crossings.append(f"{path.name}:{node.lineno}: ...{node.value.attr}.{node.attr}")
+    assert not crossings, crossings

@@ -29,7 +29,7 @@ from .progress import Progress
 
 DEFAULT_STAGING_BYTES = 64 << 20  # both staging buffers together
 DEFAULT_READ_THREADS = 4  # readers per rank (the calling thread included), at most
-_ALIGN = 64  # staging placement; keeps every dtype view aligned
+ALIGN = 64  # staging placement; keeps every dtype view aligned
 _IOV_MAX = 1024  # buffers per preadv call (Linux IOV_MAX)
 _RUN_BYTES = 16 << 20  # longer runs are split so that the reader threads can share them
 
@@ -49,7 +49,7 @@ def reader_count(limit: int = DEFAULT_READ_THREADS) -> int:
 
 def align(position: int) -> int:
     """The first staging offset at or after ``position`` where any dtype view is aligned."""
-    return -(-position // _ALIGN) * _ALIGN
+    return -(-position // ALIGN) * ALIGN
 
 
 class StagingLayout:
@@ -63,7 +63,7 @@ class StagingLayout:
 
     def parts(self, item: ReadItem) -> list[ReadItem]:
         """``item`` cut into pieces that each fit a batch."""
-        return split_item(item, self.capacity - _ALIGN)
+        return split_item(item, self.capacity - ALIGN)
 
     def place(self, nbytes: int) -> int:
         """The offset of the next ``nbytes`` (a part); 0 starts a new batch."""
@@ -74,7 +74,7 @@ class StagingLayout:
         return start
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
+def byte_view(tensor: torch.Tensor) -> memoryview:
     """The writable bytes of a contiguous CPU tensor."""
     return memoryview(tensor.detach().view(torch.uint8).numpy()).cast("B")
 
@@ -144,7 +144,7 @@ class _Staging:
 
     def __init__(self, capacity: int, device: torch.device):
         self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.view = _byte_view(self.host)
+        self.view = byte_view(self.host)
         self.device_copy = torch.empty(capacity, dtype=torch.uint8, device=device) \
             if device.type == "cuda" else None
         self.copied = None  # CUDA event: host -> device copy done
@@ -163,7 +163,7 @@ class _Reader:
         self.files = files
         self.destinations = destinations
         self.progress = progress or Progress()
-        self.capacity = max(_ALIGN, min(staging_bytes // 2, staged_total))
+        self.capacity = max(ALIGN, min(staging_bytes // 2, staged_total))
         self.device = device
         self.buffers: list[_Staging] = []
         self.current = 0
@@ -182,7 +182,8 @@ class _Reader:
         self.read_files.add(file)
         return self.files.get(file).fd
 
-    def _queue(self, file: str, offset: int, buffer: memoryview) -> None:
+    def queue(self, file: str, offset: int, buffer: memoryview) -> None:
+        """Add the read of ``buffer`` from ``file`` at ``offset`` (run by ``drain``)."""
         for first in range(0, len(buffer), _RUN_BYTES):
             piece = buffer[first:first + _RUN_BYTES]
             run = self.runs[-1] if self.runs else None
@@ -204,8 +205,8 @@ class _Reader:
         dst = self.destinations[item.target]
         src_dtype = getattr(torch, item.src_dtype)
         if dst.device.type == "cpu" and dst.dtype == src_dtype:
-            view = _byte_view(dst[item.dst_offset:item.dst_offset + item.numel])
-            self._queue(item.file, item.offset, view)
+            view = byte_view(dst[item.dst_offset:item.dst_offset + item.numel])
+            self.queue(item.file, item.offset, view)
             return
         for part in self.layout.parts(item):
             start = self.layout.place(part.nbytes)
@@ -214,7 +215,7 @@ class _Reader:
             staging = self._staging()
             if start == 0:
                 staging.ready_for_reading()
-            self._queue(part.file, part.offset, staging.view[start:start + part.nbytes])
+            self.queue(part.file, part.offset, staging.view[start:start + part.nbytes])
             self.segments.append(Segment(start, src_dtype, part.numel, part.target, part.dst_offset))
 
     def flush(self) -> None:
@@ -283,7 +284,7 @@ def execute(files: FileTable, items: list[ReadItem], destinations: list[torch.Te
         by_device.setdefault(destinations[item.target].device, []).append(item)
     total = 0
     for device, group in by_device.items():
-        staged_total = sum(i.nbytes + _ALIGN for i in group)  # an upper bound, alignment included
+        staged_total = sum(i.nbytes + ALIGN for i in group)  # an upper bound, alignment included
         reader = _Reader(files, destinations, staging_bytes, staged_total, progress, threads, device)
         try:
             for item in sorted(group, key=lambda i: (i.file, i.offset)):
@@ -308,7 +309,7 @@ class RangeReader:
         before = self._reader.bytes_read
         for file, offset, view in ranges:
             if len(view):
-                self._reader._queue(file, offset, view)
+                self._reader.queue(file, offset, view)
         self._reader.drain()
         return self._reader.bytes_read - before
 
@@ -328,5 +329,5 @@ def read_tensor(files: FileTable, entry) -> torch.Tensor:
 
     out = torch.empty(entry.nbytes, dtype=torch.uint8)
     with RangeReader(files) as reader:
-        reader.read([(entry.file, entry.start, _byte_view(out))])
+        reader.read([(entry.file, entry.start, byte_view(out))])
     return out.view(getattr(torch, DTYPES[entry.dtype][0])).reshape(entry.shape)

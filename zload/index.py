@@ -248,7 +248,7 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         return parse_header(table.add(open_regular(path)))
 
 
-def _read_weight_map(index_path: str, table: FileTable) -> dict[str, str]:
+def read_weight_map(index_path: str, table: FileTable) -> dict[str, str]:
     opened = table.add(open_regular(index_path))
     if opened.identity.size > MAX_INDEX_BYTES:
         raise CheckpointError(f"{index_path}: {opened.identity.size} bytes, over the "
@@ -280,7 +280,7 @@ def shard_path(folder: str, shard: str) -> str | None:
 
 
 def _index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) -> CheckpointIndex:
-    weight_map = _read_weight_map(index_path, table)
+    weight_map = read_weight_map(index_path, table)
     folder = os.path.dirname(os.path.abspath(index_path))
     shards = sorted(set(weight_map.values()))
     paths = {}

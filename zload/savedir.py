@@ -37,7 +37,7 @@ import stat
 
 from .errors import ZloadError
 from .files import FileTable, open_regular
-from .index import MAX_INDEX_BYTES, _read_weight_map, shard_path
+from .index import MAX_INDEX_BYTES, read_weight_map, shard_path
 
 STAGING_PREFIX = ".zload-save-"
 LOCK = "lock"  # in the staging folder: flocked by the running save; says who it is
@@ -110,7 +110,7 @@ def _referenced(folder: str, single: str) -> tuple[set[str], set[str]]:
         names.add(index)
         try:
             with FileTable() as table:
-                weight_map = _read_weight_map(os.path.join(folder, index), table)
+                weight_map = read_weight_map(os.path.join(folder, index), table)
             shards = {s for s in set(weight_map.values())
                       if s == os.path.basename(s) and shard_path(folder, s) is not None}
         except ZloadError:

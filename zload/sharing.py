@@ -22,11 +22,11 @@ from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorde
 from .distributed import BATCH_FAILED, BATCH_OK, collective, comm_device, exchange, problems_of, raise_for, rank_and_world
 from .errors import CheckpointError
 from .execute import (
-    _ALIGN,
+    ALIGN,
     DEFAULT_STAGING_BYTES,
     RangeReader,
     StagingLayout,
-    _byte_view,
+    byte_view,
     reader_count,
 )
 from .files import FileTable, OpenFile
@@ -271,7 +271,7 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     everyone = exchange(wire)
     read = sent = received = 0
     problems: list[tuple[str, str]] = []
-    capacity = max(_ALIGN * 2, staging_bytes // 2)
+    capacity = max(ALIGN * 2, staging_bytes // 2)
     outboxes = inboxes = None  # allocated once, when first needed; fresh ones would page-fault
     with RangeReader(shared.index.opened) as reader:  # its threads serve every batch read here
         for requester in range(world):
@@ -309,7 +309,7 @@ def _serve(batches, requester: int, outboxes: list[torch.Tensor], reader: RangeR
         used = _used(batch)
         message = outboxes[k % 2][:used + 1]  # the batch, then its status
         if not problems:
-            view = _byte_view(message)
+            view = byte_view(message)
             ranges = [(part.file, part.offset, view[start:start + part.nbytes]) for start, part in batch]
             got, problems = problems_of(f"reading for rank {requester}", partial(reader.read, ranges))
             read += got or 0
