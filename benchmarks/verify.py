@@ -85,8 +85,8 @@ def _save(folder: str, config) -> tuple[float, float]:
     """(seconds of zload.save, of which reading the files back for their digests)."""
     import zload
 
-    import zload.saving as save_module
-    real, spent = save_module._record_digests, []
+    import zload.writer as writer_module
+    real, spent = writer_module.record_digests, []
 
     def timed(*args, **kwargs):
         started = time.perf_counter()
@@ -96,14 +96,14 @@ def _save(folder: str, config) -> tuple[float, float]:
             spent.append(time.perf_counter() - started)
 
     model = bf16_llama(config)
-    save_module._record_digests = timed
+    writer_module.record_digests = timed
     try:
         with tempfile.TemporaryDirectory(prefix="zload-verify-save-") as out:
             started = time.perf_counter()
             zload.save(model, out, max_shard_size="100MB")
             return time.perf_counter() - started, sum(spent)
     finally:
-        save_module._record_digests = real
+        writer_module.record_digests = real
 
 
 def measure(size_name: str, nbytes: int, args) -> dict:

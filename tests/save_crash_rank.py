@@ -6,7 +6,7 @@ rank CRASH_RANK a point of the save, CRASH_AT, is patched to kill the process th
 CRASH_AT=raise, to make a write fail with an OSError. Every rank that returns writes
 RESULTS/rank<r>.json; the killed rank leaves RESULTS/killed-rank<r> just before it dies.
 
-CRASH_AT (the names are those of ``zload/saving.py`` and ``zload/savedir.py``):
+CRASH_AT (the names are those of ``zload/save_plan.py``, ``zload/writer.py`` and ``zload/savedir.py``):
   plan      after ``plan_writes`` (this rank planned, nothing created yet)
   create    after ``_create_files`` (rank 0: the staging folder and its empty shards exist)
   write     after the first ``_pwrite_all`` (one chunk of this rank's partitions written)
@@ -37,7 +37,7 @@ import zload  # noqa: E402
 from tests import models  # noqa: E402
 from tests.zero3 import build_zero  # noqa: E402
 
-import zload.saving as save_module  # noqa: E402
+import zload.writer as writer_module  # noqa: E402
 
 
 def _die() -> None:
@@ -50,7 +50,7 @@ def _die() -> None:
 
 
 def _wrap(owner, name: str, before=None, after=None) -> None:
-    original = getattr(owner, name)  # AttributeError: zload/saving.py renamed the function
+    original = getattr(owner, name)  # AttributeError: the function was renamed
 
     def wrapper(*args, **kwargs):
         if before:
@@ -70,7 +70,7 @@ def _fail(error: int, message: str):
 
 
 def _owner(where: str):
-    """``"zload.savedir:SaveFolder"`` -> that class; ``"zload.saving"`` -> that module."""
+    """``"zload.savedir:SaveFolder"`` -> that class; ``"zload.writer"`` -> that module."""
     module, _, name = where.partition(":")
     owner = sys.modules[module] if module != "dist" else dist
     return getattr(owner, name) if name else owner
@@ -80,30 +80,30 @@ def install_crash(point: str) -> None:
     die = lambda *a, **k: _die()  # noqa: E731
     folder = "zload.savedir:SaveFolder"
     points = {  # kill point -> (owner, function, wrapper's before / after)
-        "plan": ("zload.saving", "plan_writes", {"after": die}),
-        "create": ("zload.saving", "_create_files", {"after": die}),
-        "write": ("zload.saving", "_pwrite_all", {"after": die}),
+        "plan": ("zload.save_plan", "plan_writes", {"after": die}),
+        "create": ("zload.writer", "create_files", {"after": die}),
+        "write": ("zload.writer", "_pwrite_all", {"after": die}),
         "send": ("dist", "send", {"after": die}),
-        "publish": ("zload.saving", "_publish", {"before": die}),
+        "publish": ("zload.writer", "publish", {"before": die}),
         "moved": (folder, "_move_in", {"after": die}),
         "committed": (folder, "_commit", {"after": die}),
         "finish": (folder, "finish", {"before": die}),
-        "raise": ("zload.saving", "_pwrite_all", {"before": _fail(errno.EIO, "injected write failure")}),
+        "raise": ("zload.writer", "_pwrite_all", {"before": _fail(errno.EIO, "injected write failure")}),
         "raise-commit": (folder, "_commit", {"before": _fail(errno.EACCES, "injected: permission denied")}),
-        "raise-pack": ("zload.saving", "_pack", {"before": _fail(errno.EIO, "injected: cannot read")}),
-        "raise-digest": ("zload.saving", "data_digest", {"before": _fail(errno.EDQUOT, "injected: quota exceeded")}),
+        "raise-pack": ("zload.writer", "_pack", {"before": _fail(errno.EIO, "injected: cannot read")}),
+        "raise-digest": ("zload.writer", "data_digest", {"before": _fail(errno.EDQUOT, "injected: quota exceeded")}),
     }
     if point in points:
         owner, name, when = points[point]
         _wrap(_owner(owner), name, **when)
     elif point == "raise-create":
-        original = save_module._create_files
+        original = writer_module.create_files
 
         def create_one_then_fail(files, folder):
             original(files[:1], folder)
             raise OSError(errno.ENOSPC, "injected: no space left")
 
-        save_module._create_files = create_one_then_fail
+        writer_module.create_files = create_one_then_fail
     else:
         raise ValueError(f"unknown CRASH_AT={point!r}")
 

@@ -20,7 +20,7 @@ from zload.execute import DEFAULT_STAGING_BYTES, execute
 from zload.files import FileTable, open_regular
 from zload.index import DTYPES
 from zload.kernels import Segment, scatter_cast
-from zload.plan import ReadItem
+from zload.plan import ReadItem, StagingLayout
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DST_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -420,7 +420,7 @@ def test_staging_layout_packs_aligned_parts_that_cover_each_item(capacity):
              for k, (n, size, dtype) in enumerate(
                  (rng.randrange(1, 300), *rng.choice([(2, "bfloat16"), (4, "float32"), (8, "int64")]))
                  for _ in range(40))]
-    layout = execute_module.StagingLayout(capacity)
+    layout = StagingLayout(capacity)
     batches, end = [], 0
     for item in items:
         parts = layout.parts(item)

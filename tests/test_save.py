@@ -178,21 +178,6 @@ def test_a_link_to_a_folder_is_written_through(tmp_path):
     assert all(torch.equal(saved[k], state[k]) for k in state)
 
 
-@pytest.mark.parametrize("sizes,limit", [((3, 20, 3), 10), ((6, 6, 2, 6, 2, 2), 10), ((4, 4), 100), ((11,), 10)])
-def test_shards_are_the_ones_huggingface_hub_makes(sizes, limit):
-    """transformers' save_pretrained shards with huggingface_hub's splitter; a tensor over the
-    limit gets a shard of its own (3, 20, 3 under 10: two shards, not three)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    from zload.saving import OutTensor, layout
-
-    state = {f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
-    want = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
-                                              max_shard_size=limit).filename_to_tensors
-    files = layout([OutTensor(name, "uint8", tuple(t.shape), ()) for name, t in state.items()], limit)
-    assert {f.name: [t.name for t, _ in f.tensors] for f in files} == want
-
-
 def _saved_under_the_old_name(out):
     model = build_zero(models.Awkward)
     with pytest.warns(FutureWarning, match="staging_bytes"):

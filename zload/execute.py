@@ -24,12 +24,11 @@ import torch
 from .errors import CheckpointError
 from .files import FileTable
 from .kernels import Segment, scatter_cast
-from .plan import ReadItem, split_item
+from .plan import ALIGN, ReadItem, StagingLayout
 from .progress import Progress
 
 DEFAULT_STAGING_BYTES = 64 << 20  # both staging buffers together
 DEFAULT_READ_THREADS = 4  # readers per rank (the calling thread included), at most
-ALIGN = 64  # staging placement; keeps every dtype view aligned
 _IOV_MAX = 1024  # buffers per preadv call (Linux IOV_MAX)
 _RUN_BYTES = 16 << 20  # longer runs are split so that the reader threads can share them
 
@@ -45,33 +44,6 @@ def reader_count(limit: int = DEFAULT_READ_THREADS) -> int:
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
     local_ranks = max(1, int(local)) if local.isdigit() else 1
     return max(1, min(limit, cpus // local_ranks))
-
-
-def align(position: int) -> int:
-    """The first staging offset at or after ``position`` where any dtype view is aligned."""
-    return -(-position // ALIGN) * ALIGN
-
-
-class StagingLayout:
-    """Where byte ranges go in staging buffers of ``capacity`` bytes: each at the next aligned
-    offset, and a new batch (from offset 0) whenever the current one has no room. Readers and the
-    ranks they send to compute the same layout from the same items, so they agree on every offset."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.position = 0
-
-    def parts(self, item: ReadItem) -> list[ReadItem]:
-        """``item`` cut into pieces that each fit a batch."""
-        return split_item(item, self.capacity - ALIGN)
-
-    def place(self, nbytes: int) -> int:
-        """The offset of the next ``nbytes`` (a part); 0 starts a new batch."""
-        start = align(self.position)
-        if start + nbytes > self.capacity:
-            start = 0
-        self.position = start + nbytes
-        return start
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

@@ -15,6 +15,13 @@ from .report import shortened
 from .targets import ORPHAN, PARTITION, Target
 
 _FLOATING = {"float16", "bfloat16", "float32", "float64"}
+ALIGN = 64  # staging placement; keeps every dtype view aligned
+
+
+def element_steps(numel: int, itemsize: int, max_bytes: int) -> list[tuple[int, int]]:
+    """(first element, count) of consecutive pieces of at most ``max_bytes`` (one element at least)."""
+    step = max(1, max_bytes // itemsize)
+    return [(first, min(step, numel - first)) for first in range(0, numel, step)]
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,13 @@ class ReadItem:
     target: int  # index into LoadPlan.targets
     dst_offset: int
     numel: int
+
+    def split(self, max_bytes: int) -> list[ReadItem]:
+        """This read cut into element-aligned pieces of at most ``max_bytes``."""
+        itemsize = self.nbytes // self.numel if self.numel else 1
+        return [ReadItem(self.file, self.offset + first * itemsize, count * itemsize, self.src_dtype,
+                         self.target, self.dst_offset + first, count)
+                for first, count in element_steps(self.numel, itemsize, max_bytes)]
 
 
 @dataclass
@@ -48,13 +62,45 @@ class LoadPlan:
     problems: list[str] = field(default_factory=list)
 
 
-def split_item(item: ReadItem, max_bytes: int) -> list[ReadItem]:
-    """``item`` cut into element-aligned pieces of at most ``max_bytes`` (at least one element)."""
-    itemsize = item.nbytes // item.numel if item.numel else 1
-    step = max(1, max_bytes // itemsize)
-    return [ReadItem(item.file, item.offset + first * itemsize, min(step, item.numel - first) * itemsize,
-                     item.src_dtype, item.target, item.dst_offset + first, min(step, item.numel - first))
-            for first in range(0, item.numel, step)]
+def align(position: int) -> int:
+    """The first staging offset at or after ``position`` where any dtype view is aligned."""
+    return -(-position // ALIGN) * ALIGN
+
+
+class StagingLayout:
+    """Where byte ranges go in staging buffers of ``capacity`` bytes: each at the next aligned
+    offset, and a new batch (from offset 0) whenever the current one has no room. Readers and the
+    ranks they send to compute the same layout from the same items, so they agree on every offset.
+    Items are anything with ``nbytes`` and ``split(max_bytes)`` (reads here, writes when saving)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.position = 0
+
+    def parts(self, item):
+        """``item`` cut into pieces that each fit a batch."""
+        return item.split(self.capacity - ALIGN)
+
+    def place(self, nbytes: int) -> int:
+        """The offset of the next ``nbytes`` (a part); 0 starts a new batch."""
+        start = align(self.position)
+        if start + nbytes > self.capacity:
+            start = 0
+        self.position = start + nbytes
+        return start
+
+
+def staging_batches(items: list, capacity: int) -> list[list[tuple[int, object]]]:
+    """``items`` cut and placed as batches of (staging offset, part), each at most ``capacity`` bytes."""
+    layout = StagingLayout(capacity)
+    batches: list[list[tuple[int, object]]] = []
+    for item in items:
+        for part in layout.parts(item):
+            start = layout.place(part.nbytes)
+            if start == 0:
+                batches.append([])
+            batches[-1].append((start, part))
+    return batches
 
 
 def _compatibility_problem(target: Target, source: Source) -> str | None:

@@ -21,18 +21,11 @@ import torch.distributed as dist
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digests
 from .distributed import BATCH_FAILED, BATCH_OK, collective, comm_device, exchange, problems_of, raise_for, rank_and_world
 from .errors import CheckpointError
-from .execute import (
-    ALIGN,
-    DEFAULT_STAGING_BYTES,
-    RangeReader,
-    StagingLayout,
-    byte_view,
-    reader_count,
-)
+from .execute import DEFAULT_STAGING_BYTES, RangeReader, byte_view, reader_count
 from .files import FileTable, OpenFile
 from .index import CheckpointIndex, TensorEntry, open_checkpoint
 from .kernels import Segment, scatter_cast
-from .plan import ReadItem
+from .plan import ALIGN, ReadItem, staging_batches
 
 
 
@@ -232,19 +225,6 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
     return SharedIndex(index, root, {k: readers[k] for k in lacking}, remote)
 
 
-def _batches(items: list[ReadItem], capacity: int) -> list[list[tuple[int, ReadItem]]]:
-    """``items`` as batches of (staging offset, part), each batch at most ``capacity`` bytes."""
-    layout = StagingLayout(capacity)
-    batches: list[list[tuple[int, ReadItem]]] = []
-    for item in items:
-        for part in layout.parts(item):
-            start = layout.place(part.nbytes)
-            if start == 0:
-                batches.append([])
-            batches[-1].append((start, part))
-    return batches
-
-
 def _server(readers: list[int], requester: int, world: int) -> int:
     """The reader that serves ``requester``: the ranks lacking a file are spread over its readers."""
     lacking = [r for r in range(world) if r not in readers]
@@ -280,14 +260,14 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
                     mine = [ReadItem(os.path.join(shared.root, k), offset, nbytes, dtype, 0, 0, numel)
                             for s, k, offset, nbytes, numel, dtype in everyone[requester] if s == server]
                     outboxes = outboxes or [torch.empty(capacity + 1, dtype=torch.uint8) for _ in range(2)]
-                    got, out, problems = _serve(_batches(mine, capacity), requester, outboxes, reader,
+                    got, out, problems = _serve(staging_batches(mine, capacity), requester, outboxes, reader,
                                                 problems)
                     read, sent = read + got, sent + out
                 elif rank == requester:
                     mine = [i for s, i in requests if s == server]
                     inboxes = inboxes or [torch.empty(capacity + 1, dtype=torch.uint8, device=comm_device())
                                           for _ in range(2)]
-                    got, problems = _receive(_batches(mine, capacity), server, inboxes, dests, problems)
+                    got, problems = _receive(staging_batches(mine, capacity), server, inboxes, dests, problems)
                     received += got
     return read, sent, received, problems
 

@@ -1,0 +1,298 @@
+"""The writer: perform a save plan. Every file save touches is opened here.
+
+Each rank writes its parts of the shard files in the staging folder in place (``write_local``), or,
+when ranks do not share a filesystem, sends them to rank 0 in staging batches (``stream_to_rank0``).
+Then the files are read back for their digests (``record_digests``) and rank 0 publishes them with
+the configs (``publish``, through ``savedir.SaveFolder``).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import numpy
+
+import torch
+
+from .digest import block_count, block_digests, data_digest
+from .distributed import BATCH_FAILED, BATCH_OK, agree, collective, comm_device, exchange, problems_of, rank_and_world
+from .execute import byte_view, reader_count
+from .names import conversion_registry, peft_info
+from .plan import ALIGN, staging_batches
+from .save_plan import OutFile, WriteItem
+from .savedir import SaveFolder
+from .targets import ORPHAN, PARTITION, Target
+
+
+def partition_sources(targets: list[Target], master_weights: bool) -> dict[int, torch.Tensor]:
+    """The flat tensor each target's elements are taken from on this rank."""
+    sources = {}
+    for i, t in enumerate(targets):
+        if t.kind == PARTITION:
+            source = t.tensor.ds_tensor.data.view(-1)
+            if master_weights and t.tensor.requires_grad:
+                from deepspeed.utils import safe_get_local_fp32_param
+
+                source = safe_get_local_fp32_param(t.tensor).view(-1)
+            sources[i] = source
+        elif t.kind != ORPHAN:
+            sources[i] = t.tensor.data.view(-1)
+    return sources
+
+
+def _chunks(item: WriteItem, source: torch.Tensor, staging_bytes: int):
+    """(byte offset, bytes) of ``item`` in pieces of at most ``staging_bytes``, cast on the way."""
+    for part in item.split(staging_bytes):
+        chunk = source[part.src_offset:part.src_offset + part.numel]
+        chunk = chunk.detach().to(device="cpu", dtype=getattr(torch, part.dtype)).contiguous()
+        yield part.offset, memoryview(chunk.view(torch.uint8).numpy())
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+class _Files:
+    """Open shard files for writing, fsynced when closed."""
+
+    def __init__(self, folder: str):
+        self.folder, self.fds = folder, {}
+
+    def fd(self, name: str) -> int:
+        if name not in self.fds:
+            self.fds[name] = os.open(os.path.join(self.folder, name), os.O_WRONLY)
+        return self.fds[name]
+
+    def close(self, sync: bool) -> None:
+        for fd in self.fds.values():
+            if sync:
+                os.fsync(fd)
+            os.close(fd)
+        self.fds = {}
+
+
+def write_local(items, sources, folder: str, staging_bytes: int) -> int:
+    files = _Files(folder)
+    written = 0
+    try:
+        for item in items:
+            for offset, data in _chunks(item, sources[item.target], staging_bytes):
+                _pwrite_all(files.fd(item.file), data, offset)
+                written += len(data)
+    finally:
+        files.close(sync=True)
+    return written
+
+
+def stream_to_rank0(items, sources, folder: str, staging_bytes: int,
+                     problems: list) -> tuple[int, list]:
+    """No shared filesystem: every rank sends its slices to rank 0, one bounded batch at a time,
+    ranks in order; rank 0 writes them. Returns (bytes this rank wrote or sent, problems).
+
+    Each batch ends in a status byte. A rank that fails (``problems`` on entry, or while preparing
+    or writing) still sends or receives every batch it owes, marked failed or left unwritten, so
+    no rank waits for one that gave up; the caller agrees on the problems.
+    """
+    import torch.distributed as dist
+
+    rank, world = rank_and_world()
+    device = comm_device()  # NCCL takes GPU tensors only
+    mine = staging_batches(items, max(2 * ALIGN, staging_bytes))
+    batches = exchange([[(at, i.file, i.offset, i.nbytes) for at, i in batch] for batch in mine])
+    if rank == 0:
+        done = 0
+        if not problems:
+            done, problems = problems_of("writing", lambda: write_local(items, sources, folder, staging_bytes))
+        files = _Files(folder)
+        for sender in range(1, world):
+            for batch in batches[sender]:
+                incoming = torch.empty(_payload_bytes(batch), dtype=torch.uint8, device=device)
+                with collective():
+                    dist.recv(incoming, src=sender)
+                if problems:
+                    continue  # the save has failed: keep receiving, write no more
+                if int(incoming[-1]) != BATCH_OK:
+                    problems = [("ZloadError", f"rank {sender} could not send its slices (see its "
+                                               "problem)")]
+                    continue
+                _, problems = problems_of(f"writing the slices rank {sender} sent",
+                                          partial(_write_batch, files, batch, incoming.cpu()))
+                done += 0 if problems else sum(nbytes for *_, nbytes in batch)
+        _, closed = problems_of("closing the files", lambda: files.close(sync=True))
+        return done or 0, problems or closed
+    sent = 0
+    for batch in mine:
+        payload = torch.empty(_payload_bytes([(at, i.nbytes) for at, i in batch]), dtype=torch.uint8)
+        if not problems:
+            _, problems = problems_of("preparing the slices for rank 0",
+                                      partial(_pack, batch, sources, payload))
+        payload[-1] = BATCH_FAILED if problems else BATCH_OK
+        with collective():
+            dist.send(payload.to(device), dst=0)
+        sent += sum(i.nbytes for _, i in batch)
+    return sent, problems
+
+
+def _payload_bytes(batch) -> int:
+    """A batch's message: its staging layout (the last part ends it) and a status byte."""
+    at, *_, nbytes = batch[-1]
+    return at + nbytes + 1
+
+
+def _pack(batch: list[tuple[int, WriteItem]], sources, payload: torch.Tensor) -> None:
+    """``batch``'s bytes, cast, each part at its staging offset in ``payload``."""
+    out = payload.numpy()
+    for at, item in batch:
+        for _, data in _chunks(item, sources[item.target], item.nbytes):
+            out[at:at + len(data)] = numpy.frombuffer(data, dtype=numpy.uint8)
+
+
+def _write_batch(files: _Files, batch, data: torch.Tensor) -> None:
+    view = byte_view(data)
+    for at, file, offset, nbytes in batch:
+        _pwrite_all(files.fd(file), view[at:at + nbytes], offset)
+
+
+def write_converted(module, targets: list[Target], files: list[OutFile], folder: str,
+                     shared: bool, master_weights: bool, failed: str) -> tuple[int, list[str]]:
+    """Tensors whose transformers conversion is no byte layout: for each group of targets, all
+    ranks gather those targets only (their fp32 masters with ``master_weights``), and one rank
+    runs transformers' reversed conversion and writes the results. Returns (bytes written here,
+    names of the gathered targets)."""
+    placed = {t.name: (f.name, t, position) for f in files for t, position in f.tensors if t.built_from}
+    groups = list(dict.fromkeys(t.built_from for _, t, _ in placed.values()))
+    written, gathered = 0, []
+    if not groups:
+        return written, gathered
+    import deepspeed
+    from transformers.core_model_loading import revert_weight_conversion
+
+    rank, world = rank_and_world()
+    for k, group in enumerate(groups):
+        writer = k % world if shared else 0
+        params = [targets[i].tensor for i in group if targets[i].kind == PARTITION]
+        problems = []
+        with collective(), deepspeed.zero.GatheredParameters(params):
+            # every rank: gathering a master is a collective
+            full = {targets[i].name: _full_value(targets[i], master_weights) for i in group}
+            if rank == writer:
+                try:
+                    with conversion_registry():
+                        converted = revert_weight_conversion(module, full)
+                    out = _Files(folder)
+                    try:
+                        for name, (file, tensor, position) in placed.items():
+                            if tensor.built_from == group:
+                                data = converted[name].to(getattr(torch, tensor.dtype)).contiguous()
+                                _pwrite_all(out.fd(file), memoryview(data.view(torch.uint8).numpy()),
+                                            position)
+                                written += tensor.nbytes
+                    finally:
+                        out.close(sync=True)
+                except Exception as e:
+                    problems.append(("ZloadError", f"converting {[targets[i].name for i in group]} "
+                                                   f"for saving failed: {type(e).__name__}: {e}"))
+        agree(problems, failed)
+        gathered += [targets[i].name for i in group]
+    return written, gathered
+
+
+def _full_value(target: Target, master_weights: bool) -> torch.Tensor:
+    """A gathered target's whole tensor: its fp32 master where asked for and kept, else its data."""
+    if master_weights and target.kind == PARTITION and target.tensor.requires_grad:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        master = safe_get_full_fp32_param(target.tensor)
+        if master is not None:
+            return master
+    return target.tensor.data
+
+
+def sees(lock: str, token: str) -> bool:
+    """Whether this rank sees the staging folder rank 0 just made, i.e. shares its filesystem."""
+    try:
+        with open(lock) as f:
+            return f.readline().strip() == token
+    except OSError:
+        return False
+
+
+def create_files(files: list[OutFile], folder: str) -> None:
+    for f in files:
+        with open(os.path.join(folder, f.name), "wb") as out:
+            out.write(f.header)
+            out.truncate(f.size)
+
+
+def record_digests(files: list[OutFile], folder: str, writers: int, failed: str) -> None:
+    """Read the written files back, each of the first ``writers`` ranks a share of their blocks,
+    and write each file's data digest into its header (rank 0). Every rank must call it."""
+    rank, _ = rank_and_world()
+    blocks = [(f, k) for f in files for k in range(block_count(len(f.header), f.size))]
+    mine = blocks[rank::writers] if rank < writers else []
+
+    def hash_mine():
+        digests = {}
+        for f in files:
+            wanted = [k for g, k in mine if g is f]
+            if wanted:
+                with open(os.path.join(folder, f.name), "rb") as src:
+                    found = block_digests(src.fileno(), len(f.header), f.size, wanted, reader_count())
+                digests.update(((f.name, k), d) for k, d in found.items())
+        return digests
+
+    digests, problems = problems_of("reading the written files back for their digests", hash_mine)
+    agree(problems, failed)
+    gathered = {}
+    for part in exchange(digests):
+        gathered.update(part)
+
+    def record():
+        for f in files:
+            count = block_count(len(f.header), f.size)
+            digest = data_digest({k: gathered[(f.name, k)] for k in range(count)}, count)
+            fd = os.open(os.path.join(folder, f.name), os.O_WRONLY)
+            try:
+                _pwrite_all(fd, memoryview(digest.encode()), f.digest_at)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    _, problems = problems_of("recording the digests", lambda: rank == 0 and record())
+    agree(problems, failed)
+
+
+def _stage_configs(module, folder: str) -> list[str]:
+    """The configs transformers / peft need to load the folder, written into ``folder``; their names."""
+    before = set(os.listdir(folder))
+    peft = peft_info(module)
+    if peft is not None:
+        module.peft_config[peft[0]].save_pretrained(folder)
+    elif hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
+        module.config.save_pretrained(folder)
+        generation = getattr(module, "generation_config", None)
+        if generation is not None and getattr(module, "can_generate", lambda: False)():
+            generation.save_pretrained(folder)
+    written = sorted(set(os.listdir(folder)) - before)
+    for name in written:
+        with open(os.path.join(folder, name), "rb+") as f:
+            os.fsync(f.fileno())
+    return written
+
+
+def publish(folder: SaveFolder, module, single: str, files: list[OutFile]) -> None:
+    """Rank 0: configs staged, the new checkpoint committed, then the leftovers of killed saves
+    and this save's staging folder removed."""
+    for f in files:
+        with open(os.path.join(folder.staging, f.name), "rb+") as out:
+            os.fsync(out.fileno())
+    configs = _stage_configs(module, folder.staging)
+    index = None
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for f in files for t, _ in f.tensors)},
+                 "weight_map": {t.name: f.name for f in files for t, _ in f.tensors}}
+    folder.commit(single, [f.name for f in files] if index else [], index, configs)
+    folder.finish()
