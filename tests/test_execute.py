@@ -22,6 +22,8 @@ from zload.index import DTYPES
 from zload.kernels import Segment, scatter_cast
 from zload.plan import ReadItem, StagingLayout
 
+from .checkpoints import save_sharded
+
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DST_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -93,7 +95,7 @@ def checkpoint(tmp_path_factory):
         save_file(part, str(path))
         tensors.update(part)
         entries.update(open_checkpoint(path).tensors)
-        files.add(open_regular(str(path)))
+        files.add(open_regular(str(path)), path.name)
     with files:
         yield entries, tensors, files
 
@@ -439,3 +441,25 @@ def test_staging_layout_packs_aligned_parts_that_cover_each_item(capacity):
             end = start + part.nbytes
             batches[-1] += 1
     assert len(batches) > (1 if capacity < 4096 else 0)
+
+
+def test_plans_name_files_by_key_so_any_copy_of_the_checkpoint_serves_them(tmp_path):
+    """A plan names checkpoint files by their key (their name in the checkpoint folder), not by
+    where this rank found them; only the reader resolves a key, through the files it opened. So
+    the reads planned against one copy run against another copy in another folder (another
+    node's), which is what node-local sharing relies on."""
+    from zload.plan import make_plan
+    from zload.targets import FULL, Target
+
+    state = {"x": torch.randn(1000), "y": torch.randn(30)}
+    for node in ("node0", "node1"):
+        save_sharded(state, tmp_path / node, shards=2)
+    planned_on, read_from = open_checkpoint(tmp_path / "node0"), open_checkpoint(tmp_path / "node1")
+    outs = [torch.zeros(1000), torch.zeros(30)]
+    targets = [Target((name,), FULL, (len(out),), "float32", True, tensor=out)
+               for name, out in zip(state, outs)]
+    items = make_plan(planned_on, targets).items
+    assert {i.file for i in items} == set(planned_on.files) == {"model-00001-of-00002.safetensors",
+                                                                 "model-00002-of-00002.safetensors"}
+    assert execute(read_from.opened, items, outs) == 4 * 1030
+    assert torch.equal(outs[0], state["x"]) and torch.equal(outs[1], state["y"])

@@ -145,7 +145,7 @@ def _agrees_with_safetensors(index) -> None:
     for entry in index.tensors.values():
         by_file.setdefault(entry.file, []).append(entry)
     for file in index.files:
-        with safe_open(file, "pt") as f:
+        with safe_open(index.path(file), "pt") as f:
             assert sorted(f.keys()) == sorted(e.name for e in by_file.get(file, []))
             for entry in by_file.get(file, []):
                 expected = f.get_tensor(entry.name)

@@ -73,19 +73,19 @@ def test_deep_nesting_in_one_ranks_copy_fails_every_rank(tmp_path):
 
 def _load_failing_oddly_on(rank, path):
     """Indexing raises something no code expects, on one rank only."""
-    sharing = sys.modules["zload.sharing"]
-    real = sharing.open_checkpoint
+    checkpoint = sys.modules["zload.checkpoint"]
+    real = checkpoint.open_checkpoint
 
     def odd(*args, **kwargs):
         if dist.get_rank() == rank:
             raise KeyError("a bug nobody foresaw")
         return real(*args, **kwargs)
 
-    sharing.open_checkpoint = odd
+    checkpoint.open_checkpoint = odd
     try:
         return _load_expecting_error(path)
     finally:
-        sharing.open_checkpoint = real
+        checkpoint.open_checkpoint = real
 
 
 def test_any_exception_on_one_rank_while_indexing_fails_every_rank(tmp_path):
@@ -239,12 +239,13 @@ def test_full_verification_checks_the_digest_zload_save_recorded(tmp_path, world
 def _load_while_a_rank_dies(folder, dying, where):
     model = build_zero(models.Awkward)
     before = snapshot(model)
-    load = sys.modules["zload.load"]
     if dist.get_rank() == dying:
         def die(*args, **kwargs):
             os._exit(9)
 
-        setattr(load, {"indexing": "local_view", "reading": "execute"}[where], die)
+        module, name = {"indexing": ("zload.checkpoint", "local_view"), "reading": ("zload.load", "execute")}[where]
+        getattr(sys.modules[module], name)  # AttributeError if the name moved: the patch below must take
+        setattr(sys.modules[module], name, die)
     try:
         zload.load_into(model, folder)
     except zload.ZloadError as e:

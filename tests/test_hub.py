@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 import zload
-from zload.hub import ALLOW_PATTERNS, resolve_checkpoint
+from zload.hub import ALLOW_PATTERNS, download
 
 from .checkpoints import save_sharded
 from .harness import run_world
@@ -93,7 +93,7 @@ def snapshot(cache):
 
 @pytest.mark.parametrize("revision", [None, "main", COMMIT])
 def test_repo_id_resolves_to_cached_snapshot(snapshot, revision):
-    local = resolve_checkpoint(REPO, revision, local=False)
+    local = download(REPO, revision)
     assert Path(local) == snapshot
     index = zload.open_checkpoint(local)
     assert sorted(index.tensors) == sorted(STATE) and len(index.files) == 2
@@ -109,7 +109,7 @@ def test_only_safetensors_index_and_configs_are_fetched(snapshot, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
-    assert Path(resolve_checkpoint(REPO, None, local=False)) == snapshot
+    assert Path(download(REPO, None)) == snapshot
     (kwargs,) = calls
     assert kwargs["allow_patterns"] == ALLOW_PATTERNS == [
         "*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json"]
@@ -121,7 +121,7 @@ def test_only_safetensors_index_and_configs_are_fetched(snapshot, monkeypatch):
 
 def test_uncached_revision_is_named(snapshot):
     with pytest.raises(zload.CheckpointError) as info:
-        resolve_checkpoint(REPO, "v2", local=False)
+        download(REPO, "v2")
     message = str(info.value)
     assert REPO in message and "revision v2" in message
     assert f"hf download {REPO} --revision v2" in message and "HF_HUB_OFFLINE=1" in message
@@ -129,7 +129,7 @@ def test_uncached_revision_is_named(snapshot):
 
 def test_unknown_repo_offline_says_how_to_download(cache):
     with pytest.raises(zload.CheckpointError) as info:
-        resolve_checkpoint("other-org/missing", None, local=False)
+        download("other-org/missing", None)
     message = str(info.value)
     assert "other-org/missing" in message and "revision main" in message
     assert "HF_HUB_OFFLINE=1 is set" in message and "`hf download other-org/missing`" in message
@@ -151,7 +151,7 @@ def test_missing_path_that_is_no_repo_id(cache, path):
 def test_without_huggingface_hub(monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(zload.CheckpointError, match="install huggingface_hub"):
-        resolve_checkpoint(REPO, None, local=False)
+        download(REPO, None)
 
 
 def test_zload_imports_without_huggingface_hub():
@@ -174,7 +174,7 @@ def _resolve_recording(cache):
     huggingface_hub.snapshot_download = spy
     try:
         with hub_cache(cache):
-            local = resolve_checkpoint(REPO, None, local=False)
+            local = download(REPO, None)
     finally:
         huggingface_hub.snapshot_download = real
     return local, calls, sorted(zload.open_checkpoint(local).tensors)
@@ -185,7 +185,7 @@ def _resolve_error(cache_of_rank, repo):
 
     with hub_cache(Path(cache_of_rank[dist.get_rank()])):
         try:
-            resolve_checkpoint(repo, None, local=False)
+            download(repo, None)
         except zload.CheckpointError as e:
             return str(e)
     return None
@@ -238,3 +238,17 @@ def test_load_into_a_repo_id(snapshot, cache, world):
     """load_into finds no rank with a local path REPO, resolves it from the cache, and loads."""
     for compared, source in run_world(world, _load_repo, cache):
         assert compared == len(STATE) and Path(source) == snapshot
+
+
+def test_the_command_line_takes_repo_ids_as_load_into_does(snapshot, capsys):
+    """``zload inspect org/name`` finds the snapshot ``load_into(model, "org/name")`` would: both
+    ask one module what the checkpoint is."""
+    from zload.cli import main
+
+    assert main(["inspect", REPO, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert sorted(t["name"] for t in summary["tensors"]) == sorted(STATE)
+    assert {Path(f["path"]).parent for f in summary["files"]} == {snapshot}
+    assert main(["validate", REPO, "--revision", COMMIT]) == 0
+    assert main(["plan", REPO, "--revision", "v2", "-n", "2"]) == 2  # not cached: named, no traceback
+    assert "revision v2" in capsys.readouterr().err

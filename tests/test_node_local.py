@@ -48,7 +48,7 @@ def _checkpoint(tmp_path, seed):
 def test_a_view_fingerprints_the_files_and_headers_it_sees(tmp_path):
     """Equal fingerprints are how ranks skip exchanging their views: equal for the same checkpoint
     anywhere on disk, different for a missing shard or a different header."""
-    from zload.sharing import local_view
+    from zload.checkpoint import local_view
 
     state, folder, _ = _checkpoint(tmp_path, seed=30)
     copy = Path(shutil.copytree(folder, tmp_path / "node1" / "ckpt"))

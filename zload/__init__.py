@@ -6,7 +6,8 @@ Each rank reads (or writes) only the bytes of the partitions it owns; nothing is
 import logging
 
 from .errors import CheckpointError, PeerLostError, PlanError, ZloadError, ZloadWarning
-from .index import CheckpointIndex, open_checkpoint
+from .checkpoint import open_checkpoint
+from .index import CheckpointIndex
 from .building import init
 from .load import load_into
 from .names import KeyMap

@@ -4,8 +4,9 @@
     zload plan PATH --world-size N [--json]
     zload validate PATH [--full]
 
-Every command validates the checkpoint exactly as ``load_into`` does (``open_checkpoint`` reads
-and checks every header, and no tensor data). A bad checkpoint prints ``zload: error: ...`` with
+PATH is what ``load_into`` takes: a file, an index, a folder, or a Hub repo id (``--revision``),
+found the same way (``checkpoint.open_source``). Every command validates the checkpoint exactly as
+``load_into`` does (every header is read and checked, no tensor data). A bad checkpoint prints ``zload: error: ...`` with
 the file and tensor at fault and exits 2, without a traceback; ``validate`` exits 1 instead, so a
 CI script can tell "invalid checkpoint" from "bad command line". Each command builds one plain
 dict, which ``--json`` prints as is and the text output renders, so the two cannot disagree.
@@ -24,7 +25,8 @@ from . import __version__
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch
 from .errors import CheckpointError, ZloadError
 from .execute import reader_count
-from .index import CheckpointIndex, open_checkpoint
+from .checkpoint import open_source
+from .index import CheckpointIndex
 from .progress import human_bytes
 from .targets import Partition
 
@@ -45,7 +47,8 @@ def inspect_summary(index: CheckpointIndex) -> dict:
         entry = dtypes.setdefault(t.dtype, {"tensors": 0, "bytes": 0})
         entry["tensors"] += 1
         entry["bytes"] += t.nbytes
-    files = [{"path": f, "bytes": os.path.getsize(f), "tensors": per_file[f]} for f in index.files]
+    files = [{"path": index.path(f), "bytes": os.path.getsize(index.path(f)), "tensors": per_file[f]}
+             for f in index.files]
     return {
         "source": index.source,
         "valid": True,
@@ -55,7 +58,7 @@ def inspect_summary(index: CheckpointIndex) -> dict:
         "file_bytes": sum(f["bytes"] for f in files),
         "dtypes": dict(sorted(dtypes.items())),
         "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
-                     "file": t.file} for t in tensors],
+                     "file": index.path(t.file)} for t in tensors],
     }
 
 
@@ -171,12 +174,14 @@ def _at_least(minimum: int):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zload", description="Inspect, validate and plan loads of safetensors checkpoints.",
-        epilog="PATH is a .safetensors file, an index .json, or a directory holding either.")
+        epilog="PATH is a .safetensors file, an index .json, a directory holding either, or a Hub repo id "
+               "(from the Hugging Face cache, downloaded if it is not there).")
     parser.add_argument("--version", action="version", version=f"zload {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     inspect = commands.add_parser("inspect", help="files, dtypes, shapes and sizes of a checkpoint")
     inspect.add_argument("path", metavar="PATH")
+    inspect.add_argument("--revision", metavar="REV", help="branch, tag or commit of a Hub repo id")
     inspect.add_argument("--json", action="store_true", help="print a JSON object instead "
                          "(it lists every tensor unless --no-tensors)")
     shown = inspect.add_mutually_exclusive_group()
@@ -189,11 +194,13 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="bytes each rank would read under ZeRO-3")
     plan.add_argument("path", metavar="PATH")
+    plan.add_argument("--revision", metavar="REV", help="branch, tag or commit of a Hub repo id")
     plan.add_argument("--world-size", "-n", type=_at_least(1), required=True, metavar="N")
     plan.add_argument("--json", action="store_true", help="print a JSON object instead")
 
     validate = commands.add_parser("validate", help="check every header; exit 0 if valid, 1 if not")
     validate.add_argument("path", metavar="PATH")
+    validate.add_argument("--revision", metavar="REV", help="branch, tag or commit of a Hub repo id")
     validate.add_argument("--full", action="store_true", help="also read every byte of the files "
                           "zload.save wrote and check it against the digest recorded in them")
     return parser
@@ -203,14 +210,14 @@ def _check_recorded_digests(index: CheckpointIndex) -> tuple[int, int]:
     """Each file with a digest recorded by zload.save, read whole and checked against it: raises
     on a mismatch; returns (files checked, files without a recorded digest)."""
     checked = 0
-    for path in index.files:
-        opened = index.opened.get(path)
+    for key in index.files:
+        opened = index.opened.get(key)
         if DIGEST_KEY not in opened.metadata:
             continue
         count = block_count(opened.data_start, opened.identity.size)
         digest = data_digest(block_digests(opened.fd, opened.data_start, opened.identity.size,
                                            range(count), reader_count()), count)
-        wrong = recorded_mismatch(path, opened.metadata, digest)
+        wrong = recorded_mismatch(opened.path, opened.metadata, digest)
         if wrong:
             raise CheckpointError(wrong)
         checked += 1
@@ -220,7 +227,7 @@ def _check_recorded_digests(index: CheckpointIndex) -> tuple[int, int]:
 def _run(args) -> int:
     if args.command == "validate":
         try:
-            with open_checkpoint(args.path) as index:
+            with open_source(args.path, args.revision) as index:
                 checked, unrecorded = _check_recorded_digests(index) if args.full else (0, 0)
         except ZloadError as e:
             print(f"zload: invalid: {e}", file=sys.stderr)
@@ -231,7 +238,7 @@ def _run(args) -> int:
             print(f"data: {_plural(checked, 'file')} matched the digest zload.save recorded"
                   + (f"; {_plural(unrecorded, 'file')} recorded none (not checked)" if unrecorded else ""))
         return 0
-    with open_checkpoint(args.path) as index:
+    with open_source(args.path, args.revision) as index:
         if args.command == "inspect":
             summary = inspect_summary(index)
             if args.json and args.limit == 0:

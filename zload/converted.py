@@ -17,7 +17,7 @@ from .distributed import agree, collective, comm_device, problems_of, rank_and_w
 from .errors import ZloadError
 from .execute import read_tensor
 from .plan import LoadPlan
-from .sharing import SharedIndex
+from .checkpoint import SharedIndex
 from .targets import PARTITION
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import CheckpointError
-from .files import FileTable
+from .files import FileTable, OpenFile
 from .kernels import Segment, scatter_cast
 from .plan import ALIGN, ReadItem, StagingLayout
 from .progress import Progress
@@ -55,8 +55,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 class _Run:
     """File-contiguous bytes read with one preadv into ``buffers``."""
 
-    fd: int
-    file: str
+    opened: OpenFile
+    file: str  # its key
     offset: int
     buffers: list = field(default_factory=list)
     nbytes: int = 0
@@ -67,11 +67,11 @@ def _read_run(run: _Run) -> int:
     buffers, offset = run.buffers, run.offset
     while buffers:
         try:
-            got = os.preadv(run.fd, buffers, offset)
+            got = os.preadv(run.opened.fd, buffers, offset)
         except OSError as e:
-            raise CheckpointError(f"{run.file}: read failed at byte {offset}: {e.strerror}") from e
+            raise CheckpointError(f"{run.opened.path}: read failed at byte {offset}: {e.strerror}") from e
         if got == 0:
-            raise CheckpointError(f"{run.file}: unexpected end of file at byte {offset} "
+            raise CheckpointError(f"{run.opened.path}: unexpected end of file at byte {offset} "
                                   "(was the file changed during the load?)")
         offset += got
         while buffers and got >= len(buffers[0]):
@@ -150,9 +150,9 @@ class _Reader:
             if self.helpers else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def _fd(self, file: str) -> int:
+    def _opened(self, file: str) -> OpenFile:
         self.read_files.add(file)
-        return self.files.get(file).fd
+        return self.files.get(file)
 
     def queue(self, file: str, offset: int, buffer: memoryview) -> None:
         """Add the read of ``buffer`` from ``file`` at ``offset`` (run by ``drain``)."""
@@ -161,7 +161,7 @@ class _Reader:
             run = self.runs[-1] if self.runs else None
             if (run is None or run.file != file or run.offset + run.nbytes != offset + first
                     or len(run.buffers) >= _IOV_MAX or run.nbytes >= _RUN_BYTES):
-                run = _Run(self._fd(file), file, offset + first)
+                run = _Run(self._opened(file), file, offset + first)
                 self.runs.append(run)
             run.buffers.append(piece)
             run.nbytes += len(piece)

@@ -101,7 +101,8 @@ def _close_all(fds: list[int]) -> None:
 
 
 class FileTable:
-    """The files of a checkpoint this process opened, by path; every read goes through these.
+    """The files of a checkpoint this process opened, by file key (the file's name in the
+    checkpoint folder, as the index names it); every read goes through these.
 
     Closed by ``close`` (``load_into`` and the CLI do it as soon as they are done), or when the
     table is garbage-collected.
@@ -112,27 +113,28 @@ class FileTable:
         self._fds: list[int] = []
         self._finalizer = weakref.finalize(self, _close_all, self._fds)
 
-    def add(self, opened: OpenFile) -> OpenFile:
-        previous = self.files.get(opened.path)
-        if previous is not None:  # the same path again (an index listing a shard twice): keep one
+    def add(self, opened: OpenFile, key: str) -> OpenFile:
+        previous = self.files.get(key)
+        if previous is not None:  # the same file again (an index listing a shard twice): keep one
             os.close(opened.fd)
             return previous
-        self.files[opened.path] = opened
+        self.files[key] = opened
         self._fds.append(opened.fd)
         return opened
 
-    def get(self, path: str) -> OpenFile:
-        opened = self.files.get(path)
+    def get(self, key: str) -> OpenFile:
+        opened = self.files.get(key)
         if opened is None:
-            raise CheckpointError(f"{path}: not among the files whose headers this rank read")
+            raise CheckpointError(f"{key}: not among the files whose headers this rank read")
         return opened
 
-    def check_unchanged(self, paths) -> None:
-        """Raise if any of ``paths`` changed since it was opened."""
-        for path in sorted(set(paths)):
-            change = self.get(path).change()
+    def check_unchanged(self, keys) -> None:
+        """Raise if any of the files ``keys`` names changed since it was opened."""
+        for key in sorted(set(keys)):
+            opened = self.get(key)
+            change = opened.change()
             if change:
-                raise CheckpointError(f"{path}: {change}; the bytes read from it cannot be trusted. "
+                raise CheckpointError(f"{opened.path}: {change}; the bytes read from it cannot be trusted. "
                                       "Do not modify a checkpoint while it is being loaded")
 
     def close(self) -> None:

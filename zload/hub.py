@@ -20,19 +20,12 @@ logger = logging.getLogger("zload")
 ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json"]
 
 
-def resolve_checkpoint(path: str | os.PathLike, revision: str | None, *, local: bool) -> str:
-    """Return a local path for ``path``: itself if it is ``local`` (some rank has it; the same
-    answer on every rank), else the snapshot of that Hub repo id.
+def download(path: str, revision: str | None) -> str:
+    """The local snapshot folder of Hub repo ``path`` at ``revision``, downloaded if needed.
 
-    Every rank must call it (two small collectives when it downloads). Any failure is a
-    ``CheckpointError`` naming the repo, the revision and what to do next, raised on every rank.
+    Every rank of a job must call it (two small collectives). Any failure is a ``CheckpointError``
+    naming the repo, the revision and what to do next, raised on every rank.
     """
-    path = os.fspath(path)
-    if local:
-        if revision is not None:
-            raise CheckpointError(f"{path}: revision={revision!r} applies to Hub repo ids only, and "
-                                  f"this is a local path; drop revision= or pass the repo id")
-        return path
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.utils import validate_repo_id

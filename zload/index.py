@@ -11,15 +11,13 @@ import hashlib
 import json
 import os
 import re
-import stat
 import struct
-import warnings
 from dataclasses import dataclass, field
 from math import prod
 from typing import Mapping
 
-from .errors import CheckpointError, ZloadWarning
-from .files import FileTable, OpenFile, open_regular, refuse_irregular, stat_path
+from .errors import CheckpointError
+from .files import FileTable, OpenFile, open_regular
 
 # safetensors dtype code -> (torch dtype attribute name, bytes per element)
 DTYPES: Mapping[str, tuple[str, int]] = {
@@ -54,7 +52,7 @@ class TensorEntry:
     """One tensor of a checkpoint: its file and the absolute byte range of its data."""
 
     name: str
-    file: str
+    file: str  # the file's key: its name inside the checkpoint folder (``CheckpointIndex.path``)
     dtype: str  # safetensors code, e.g. "BF16"
     shape: tuple[int, ...]
     start: int  # absolute offset of the first byte in ``file``
@@ -72,13 +70,23 @@ class TensorEntry:
 @dataclass(frozen=True)
 class CheckpointIndex:
     """Every tensor of a (possibly sharded) checkpoint, by name, and its files as opened when
-    their headers were read (``opened``; every read of tensor bytes goes through it)."""
+    their headers were read (``opened``; every read of tensor bytes goes through it).
+
+    Files are named by key, their path relative to the checkpoint's folder ``root`` (as an index's
+    weight map names them): the same on every node wherever the folder lies, so ranks can name
+    files to each other, and plans name bytes without knowing where the files are.
+    """
 
     source: str
-    files: tuple[str, ...]
+    files: tuple[str, ...]  # keys
     tensors: Mapping[str, TensorEntry]
-    absent: tuple[str, ...] = ()  # shards the index lists that this machine does not have
+    absent: tuple[str, ...] = ()  # keys of the shards the index lists that this machine does not have
     opened: FileTable | None = field(default=None, compare=False, repr=False)
+    root: str = ""
+
+    def path(self, key: str) -> str:
+        """Where the file ``key`` lies on this machine."""
+        return os.path.join(self.root, key)
 
     @property
     def total_bytes(self) -> int:
@@ -148,7 +156,7 @@ def _is_u64(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _U64_MAX
 
 
-def _parse_entry(path: str, name: str, raw, data_start: int) -> TensorEntry:
+def _parse_entry(path: str, key: str, name: str, raw, data_start: int) -> TensorEntry:
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path}: tensor {_brief(name)}: {why}")
 
@@ -175,7 +183,7 @@ def _parse_entry(path: str, name: str, raw, data_start: int) -> TensorEntry:
     if end - begin != expected:
         raise bad(f"data_offsets {offsets} hold {end - begin} bytes but shape {_brief(shape)} of "
                   f"{dtype} needs {expected}")
-    return TensorEntry(name, path, dtype, tuple(shape), data_start + begin, end - begin)
+    return TensorEntry(name, key, dtype, tuple(shape), data_start + begin, end - begin)
 
 
 def _pread_exactly(opened: OpenFile, nbytes: int, offset: int) -> bytes:
@@ -189,9 +197,10 @@ def _pread_exactly(opened: OpenFile, nbytes: int, offset: int) -> bytes:
     return data
 
 
-def parse_header(opened: OpenFile) -> dict[str, TensorEntry]:
-    """Parse and validate the header of an opened safetensors file; returns its tensors by name
-    and records the header's digest, data start and metadata in ``opened``."""
+def parse_header(opened: OpenFile, key: str) -> dict[str, TensorEntry]:
+    """Parse and validate the header of an opened safetensors file (the checkpoint's file ``key``);
+    returns its tensors by name and records the header's digest, data start and metadata in
+    ``opened``."""
     path, file_size = opened.path, opened.identity.size
     if file_size < 8:
         raise CheckpointError(f"{path}: file is {file_size} bytes, too short to be safetensors")
@@ -220,7 +229,7 @@ def parse_header(opened: OpenFile) -> dict[str, TensorEntry]:
         raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
 
     data_start = 8 + header_len
-    entries = {name: _parse_entry(path, name, raw, data_start) for name, raw in header.items()}
+    entries = {name: _parse_entry(path, key, name, raw, data_start) for name, raw in header.items()}
 
     # The format requires the data area to be exactly covered: no overlap, no hole, no excess.
     cursor, previous = data_start, None
@@ -243,13 +252,15 @@ def parse_header(opened: OpenFile) -> dict[str, TensorEntry]:
 
 
 def read_header(path: str) -> dict[str, TensorEntry]:
-    """Parse and validate one safetensors file's header; returns its tensors by name."""
+    """Parse and validate one safetensors file's header; returns its tensors by name (their
+    ``file`` is the file's name, its key in a checkpoint of that one file)."""
+    key = os.path.basename(path)
     with FileTable() as table:
-        return parse_header(table.add(open_regular(path)))
+        return parse_header(table.add(open_regular(path), key), key)
 
 
 def read_weight_map(index_path: str, table: FileTable) -> dict[str, str]:
-    opened = table.add(open_regular(index_path))
+    opened = table.add(open_regular(index_path), os.path.basename(index_path))
     if opened.identity.size > MAX_INDEX_BYTES:
         raise CheckpointError(f"{index_path}: {opened.identity.size} bytes, over the "
                               f"{MAX_INDEX_BYTES}-byte limit zload sets for an index file")
@@ -279,7 +290,7 @@ def shard_path(folder: str, shard: str) -> str | None:
     return os.path.join(folder, normal)
 
 
-def _index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) -> CheckpointIndex:
+def index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) -> CheckpointIndex:
     weight_map = read_weight_map(index_path, table)
     folder = os.path.dirname(os.path.abspath(index_path))
     shards = sorted(set(weight_map.values()))
@@ -302,10 +313,11 @@ def _index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) 
             raise CheckpointError(f"{paths[shard]}: shard listed in {index_path} does not exist") from None
         except OSError:
             pass  # open_regular names the problem
-        for name, entry in parse_header(table.add(open_regular(paths[shard]))).items():
+        key = os.path.relpath(paths[shard], folder)
+        for name, entry in parse_header(table.add(open_regular(paths[shard]), key), key).items():
             if name in tensors:
                 raise CheckpointError(f"{paths[shard]}: tensor {_brief(name)} also appears in "
-                                      f"{tensors[name].file}")
+                                      f"{os.path.join(folder, tensors[name].file)}")
             if weight_map.get(name) != shard:
                 raise CheckpointError(f"{paths[shard]}: tensor {_brief(name)} is not listed for this shard "
                                       f"in {index_path}")
@@ -314,54 +326,6 @@ def _index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) 
         if name not in tensors and shard not in absent:
             raise CheckpointError(f"{paths[shard]}: tensor {_brief(name)} listed in {index_path} is not in "
                                   f"the shard")
-    return CheckpointIndex(index_path, tuple(paths[s] for s in shards), tensors,
-                           tuple(paths[s] for s in sorted(absent)), table)
-
-
-def _resolve(path: str) -> str:
-    """The file to start from: a .safetensors file or an index .json. In a folder, the names
-    ``from_pretrained`` looks for come first, in its order (``model.safetensors``, then the index)."""
-    st = stat_path(path) if os.path.lexists(path) else None
-    if st is None:
-        raise CheckpointError(f"{path}: no such file or directory")
-    if not stat.S_ISDIR(st.st_mode):
-        refuse_irregular(path, st)
-        return path
-    for name in (SINGLE_FILE, INDEX_FILE):
-        if os.path.lexists(os.path.join(path, name)):
-            if name == SINGLE_FILE and os.path.lexists(os.path.join(path, INDEX_FILE)):
-                warnings.warn(f"zload: {path} holds both {SINGLE_FILE} and {INDEX_FILE}; loading "
-                              f"{SINGLE_FILE}, as from_pretrained does", ZloadWarning, stacklevel=2)
-            return os.path.join(path, name)
-    try:
-        listing = sorted(os.listdir(path))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot list: {e.strerror}") from e
-    indexes = [n for n in listing if n.endswith(".safetensors.index.json")]
-    singles = [n for n in listing if n.endswith(".safetensors")]
-    if len(indexes) == 1:
-        return os.path.join(path, indexes[0])
-    if not indexes and len(singles) == 1:
-        return os.path.join(path, singles[0])
-    raise CheckpointError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
-                          f"{', '.join(indexes + singles) or 'no safetensors files'}")
-
-
-def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> CheckpointIndex:
-    """Index a checkpoint: a .safetensors file, an index .json, or a directory holding either.
-
-    The files stay open (``index.opened``) until ``index.close()`` or the end of a ``with`` block.
-    ``missing_ok``: shards the index lists but this machine lacks are recorded in ``absent``
-    instead of raising (another node may hold them).
-    """
-    table = FileTable()
-    try:
-        start = _resolve(os.fspath(path))
-        if start.endswith(".json"):
-            return _index_from_weight_map(start, missing_ok, table)
-        single = os.path.abspath(start)
-        return CheckpointIndex(start, (single,), parse_header(table.add(open_regular(single))),
-                               opened=table)
-    except BaseException:
-        table.close()
-        raise
+    key = {shard: os.path.relpath(paths[shard], folder) for shard in shards}
+    return CheckpointIndex(index_path, tuple(key[s] for s in shards), tensors,
+                           tuple(key[s] for s in sorted(absent)), table, folder)

@@ -14,21 +14,12 @@ from contextlib import contextmanager
 
 import torch
 
+from .checkpoint import SharedIndex, open_agreed
 from .collector import collector_paused
 from .converted import load_converted
-from .distributed import (
-    agree,
-    collective,
-    exchange,
-    problems_of,
-    raise_for,
-    rank_and_world,
-    reduce_max,
-    stage,
-)
+from .distributed import agree, collective, problems_of, rank_and_world, stage
 from .errors import PeerLostError, ZloadError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, execute
-from .hub import resolve_checkpoint
 from .index import CheckpointIndex
 from .building import is_unloaded, mark_loaded
 from .kernels import scatter_cast, zero_segment
@@ -36,7 +27,7 @@ from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
 from .progress import progress_for
 from .report import LoadReport, shortened
-from .sharing import SharedIndex, fetch_remote, local_view, share_index, verify_fully
+from .sharing import fetch_remote
 from .targets import (
     ORPHAN,
     PARTITION,
@@ -126,58 +117,9 @@ def _zero_padding(param) -> None:
     param.ds_tensor.data.view(-1)[zero_partition(param).valid:].zero_()
 
 
-def _planned(plan_load, index: CheckpointIndex) -> tuple[LoadPlan | None, list[tuple[str, str]]]:
-    """``plan_load(index)`` and its problems (an exception, or the plan's own)."""
-    plan, problems = problems_of("planning", lambda: plan_load(index))
-    return plan, (problems if plan is None else [("PlanError", p) for p in plan.problems])
-
-
-def _refused(source: str) -> str:
-    return f"zload: cannot load {source}; the model was not changed"
-
-
 VERIFY = ("sample", "full")
 _UNCHANGED = "The model was not changed."
 _PARTLY = "The model is partly written: load it again before using it."
-
-
-def _index_and_plan(path: str, revision: str | None, verify: str,
-                    plan_load) -> tuple[str, SharedIndex, LoadPlan]:
-    """Index the checkpoint and plan the load on every rank; raise on all if any rank cannot.
-
-    Usually every rank sees the same whole checkpoint: each plans against its own view, and one
-    all-reduce settles both that the views are the same (headers, and a sample of the data) and
-    that no plan has a problem. Otherwise (node-local shards, copies that differ, a Hub repo id,
-    a bad header) the ranks exchange their views, and then plan and agree on the plans. The
-    returned index's files stay open; the caller closes them.
-    """
-    view = local_view(path, verify)
-    try:
-        if verify == "full":
-            verify_fully(view)
-        plan, problems = _planned(plan_load, view.index) if view.whole else (None, [])
-        fingerprint = view.fingerprint
-        high, negated_low, partial, troubled = reduce_max(
-            [fingerprint, -fingerprint, int(not view.whole), len(problems)])
-        if high == -negated_low and not partial:  # the same whole checkpoint everywhere
-            source = resolve_checkpoint(path, revision, local=True)
-            if troubled:
-                raise_for(exchange(problems), _refused(source))
-            return source, view.shared(), plan
-        shared = share_index(view, _refused(path))
-        source = resolve_checkpoint(path, revision, local=shared is not None)
-        if shared is None:  # a Hub repo id, now downloaded
-            view.close()
-            view = local_view(source, verify)
-            if verify == "full":
-                verify_fully(view)
-            shared = share_index(view, _refused(source))
-        plan, problems = _planned(plan_load, shared.index)
-        agree(problems, _refused(source))
-        return source, shared, plan
-    except BaseException:
-        view.close()
-        raise
 
 
 @collector_paused()
@@ -220,7 +162,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
         return plan
 
     with stage(f"indexing and planning the load of {path}", _UNCHANGED):
-        source, shared, plan = _index_and_plan(path, revision, verify, plan_load)
+        source, shared, plan = open_agreed(path, revision, verify, plan_load)
     with shared.index:
         bytes_read, sent, received = _execute(plan, shared, engine, module, source, rank, staging_bytes,
                                               progress)

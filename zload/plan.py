@@ -29,7 +29,7 @@ class ReadItem:
     """Copy ``numel`` elements stored at ``file[offset:offset + nbytes]`` (dtype ``src_dtype``)
     into element ``dst_offset`` onward of target number ``target``, casting to its dtype."""
 
-    file: str
+    file: str  # the file's key in the checkpoint; only the reader knows where it lies
     offset: int
     nbytes: int
     src_dtype: str  # torch dtype name

@@ -80,7 +80,7 @@ def _write_json(path: str, content) -> None:
 def _read_json(path: str):
     """A small JSON file of ours, read without blocking on whatever was put in its place."""
     with FileTable() as table:
-        opened = table.add(open_regular(path))
+        opened = table.add(open_regular(path), path)
         return json.loads(os.pread(opened.fd, min(opened.identity.size, MAX_INDEX_BYTES), 0))
 
 

@@ -1,0 +1,331 @@
+"""What the checkpoint is: a user's path made into the checkpoint's files and index.
+
+A path is a ``.safetensors`` file, an index ``.json``, a folder holding either, or a Hugging Face
+Hub repo id (``hub`` downloads it). One process indexes what it sees (``open_checkpoint``; the
+command line's ``open_source`` also takes repo ids). In a job, each rank indexes its own view
+(``local_view``); when the views differ (node-local shards) the ranks share the headers of the
+files some rank lacks (``share_index``), and ``open_agreed`` settles on one whole checkpoint on
+every rank, planning the load on the way so that the common case costs one all-reduce.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import stat
+import warnings
+from dataclasses import dataclass, field
+
+from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digests
+from .distributed import agree, exchange, problems_of, raise_for, rank_and_world, reduce_max
+from .errors import CheckpointError, ZloadWarning
+from .execute import reader_count
+from .files import FileTable, OpenFile, open_regular, refuse_irregular, stat_path
+from .hub import download
+from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry, index_from_weight_map, parse_header
+from .plan import LoadPlan
+
+
+def _start_file(path: str) -> str:
+    """The file to start from: a .safetensors file or an index .json. In a folder, the names
+    ``from_pretrained`` looks for come first, in its order (``model.safetensors``, then the index)."""
+    st = stat_path(path) if os.path.lexists(path) else None
+    if st is None:
+        raise CheckpointError(f"{path}: no such file or directory")
+    if not stat.S_ISDIR(st.st_mode):
+        refuse_irregular(path, st)
+        return path
+    for name in (SINGLE_FILE, INDEX_FILE):
+        if os.path.lexists(os.path.join(path, name)):
+            if name == SINGLE_FILE and os.path.lexists(os.path.join(path, INDEX_FILE)):
+                warnings.warn(f"zload: {path} holds both {SINGLE_FILE} and {INDEX_FILE}; loading "
+                              f"{SINGLE_FILE}, as from_pretrained does", ZloadWarning, stacklevel=2)
+            return os.path.join(path, name)
+    try:
+        listing = sorted(os.listdir(path))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot list: {e.strerror}") from e
+    indexes = [n for n in listing if n.endswith(".safetensors.index.json")]
+    singles = [n for n in listing if n.endswith(".safetensors")]
+    if len(indexes) == 1:
+        return os.path.join(path, indexes[0])
+    if not indexes and len(singles) == 1:
+        return os.path.join(path, singles[0])
+    raise CheckpointError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
+                          f"{', '.join(indexes + singles) or 'no safetensors files'}")
+
+
+def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> CheckpointIndex:
+    """Index a checkpoint: a .safetensors file, an index .json, or a directory holding either.
+
+    The files stay open (``index.opened``) until ``index.close()`` or the end of a ``with`` block.
+    ``missing_ok``: shards the index lists but this machine lacks are recorded in ``absent``
+    instead of raising (another node may hold them).
+    """
+    table = FileTable()
+    try:
+        start = _start_file(os.fspath(path))
+        if start.endswith(".json"):
+            return index_from_weight_map(start, missing_ok, table)
+        root, key = os.path.split(os.path.abspath(start))
+        return CheckpointIndex(start, (key,), parse_header(table.add(open_regular(start), key), key),
+                               opened=table, root=root)
+    except BaseException:
+        table.close()
+        raise
+
+
+def open_source(path: str | os.PathLike, revision: str | None = None) -> CheckpointIndex:
+    """Index ``path`` in one process as ``load_into`` would: a local path, else a Hub repo id's
+    snapshot at ``revision`` (downloaded into the Hugging Face cache if it is not there)."""
+    path = os.fspath(path)
+    if os.path.lexists(path):
+        _no_revision(path, revision)
+        return open_checkpoint(path)
+    return open_checkpoint(download(path, revision))
+
+
+def _no_revision(path: str, revision: str | None) -> None:
+    if revision is not None:
+        raise CheckpointError(f"{path}: revision={revision!r} applies to Hub repo ids only, and "
+                              f"this is a local path; drop revision= or pass the repo id")
+
+
+@dataclass
+class SharedIndex:
+    """The whole checkpoint as this rank sees it, and which of its files other ranks must send."""
+
+    index: CheckpointIndex
+    readers: dict[str, list[int]] = field(default_factory=dict)  # keys of files some rank lacks -> holders
+    remote_files: frozenset[str] = frozenset()  # the keys of the files this rank lacks
+
+    @property
+    def sharing(self) -> bool:
+        """Some rank lacks some file (the same answer on every rank)."""
+        return bool(self.readers)
+
+    def ranks_reading(self, files) -> list[int]:
+        """The ranks that can read every one of ``files`` (keys)."""
+        ranks = set(range(rank_and_world()[1]))
+        for file in files:
+            ranks &= set(self.readers.get(file, ranks))
+        return sorted(ranks)
+
+
+def _root(source: str) -> str:
+    """The folder a checkpoint's keys are relative to, judged from the path alone (for a rank that
+    does not have it)."""
+    absolute = os.path.abspath(source)
+    return absolute if os.path.isdir(absolute) or not os.path.splitext(absolute)[1] else os.path.dirname(absolute)
+
+
+@dataclass
+class LocalView:
+    """What this rank sees of a checkpoint, before any communication."""
+
+    source: str
+    index: CheckpointIndex | None  # None: no such path on this rank
+    # file key -> (SHA-256 of its header, fingerprint of its data: sampled, whole, or "" unchecked)
+    digests: dict[str, tuple[str, str]] = field(default_factory=dict)
+    known: list[str] = field(default_factory=list)  # the file keys the index lists
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def whole(self) -> bool:
+        """This rank can read every file of the checkpoint."""
+        return self.index is not None and not self.index.absent and not self.problems
+
+    @property
+    def fingerprint(self) -> int:
+        """Equal on two ranks (but for a 2**-62 chance) exactly when they see the same files with
+        the same headers and data digests; non-negative and below 2**62, so that it and its
+        negation fit in int64."""
+        view = repr((sorted(self.digests.items()), self.known, self.index is not None)).encode()
+        return int.from_bytes(hashlib.sha1(view).digest()[:8], "little") >> 2
+
+    def opened(self) -> dict[str, OpenFile]:
+        """This rank's open checkpoint files, by file key."""
+        if self.index is None:
+            return {}
+        return {key: f for key, f in self.index.opened.files.items() if key in self.index.files}
+
+    def shared(self) -> SharedIndex:
+        """This view as the whole checkpoint, for when every rank has seen the same whole one."""
+        return SharedIndex(self.index)
+
+    def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
+
+
+def local_view(source: str, verify: str = "sample") -> LocalView:
+    """Index ``source`` as this rank sees it. Shards it lacks are noted; bad headers, and any other
+    exception, become ``problems`` (never raised: every rank must reach the agreement step).
+
+    ``verify`` is ``load_into``'s: "sample" digests a sample of each file's data when there are
+    other ranks to compare with; "full" leaves the data to ``verify_fully``.
+    """
+    def index():
+        if not os.path.lexists(source):
+            return LocalView(source, None)
+        view = LocalView(source, open_checkpoint(source, missing_ok=True))
+        try:
+            files = view.opened()
+            # the data are sampled when there is another rank to compare with, except for files
+            # whose header records a digest of all their data (a zload save)
+            sampled = [key for key, f in files.items() if DIGEST_KEY not in f.metadata] \
+                if verify == "sample" and rank_and_world()[1] > 1 else []
+            samples = dict(zip(sampled, sample_digests(
+                [(files[k].fd, files[k].data_start, files[k].identity.size) for k in sampled])))
+            view.digests = {key: (f.header_sha256, samples.get(key, "")) for key, f in files.items()}
+        except BaseException:
+            view.close()
+            raise
+        view.known = sorted(view.index.files)
+        return view
+
+    view, problems = problems_of(f"indexing {source}", index)
+    return view or LocalView(source, None, problems=problems)
+
+
+def verify_fully(view: LocalView) -> None:
+    """``verify="full"``: digest every byte of every file this rank sees, into ``view.digests``.
+
+    Every rank must call it. The ranks that see the same physical file (same host, device and
+    inode) split its blocks among themselves, so each node reads each file once; a file whose
+    header records its digest (``zload.save``) must match it. Problems go to ``view.problems``.
+    """
+    rank, world = rank_and_world()
+    host = socket.gethostname()
+    files = view.opened()
+    mine = {key: (host, f.identity) for key, f in files.items()}
+    identities = exchange(mine)
+    groups = {key: [r for r, theirs in enumerate(identities) if theirs.get(key) == ident]
+              for key, ident in mine.items()}
+
+    def hash_my_blocks():
+        return {key: block_digests(f.fd, f.data_start, f.identity.size,
+                                   range(groups[key].index(rank), block_count(f.data_start, f.identity.size),
+                                         len(groups[key])), threads=reader_count())
+                for key, f in files.items()}
+
+    computed, problems = problems_of("digesting the checkpoint's files", hash_my_blocks)
+    everyone = exchange(computed)
+    view.problems += problems
+    if any(blocks is None for blocks in everyone):  # share_index raises, naming the rank
+        return
+    for key, f in files.items():
+        blocks = {}
+        for r in groups[key]:
+            blocks.update(everyone[r][key])
+        digest = data_digest(blocks, block_count(f.data_start, f.identity.size))
+        wrong = recorded_mismatch(f.path, f.metadata, digest)
+        if wrong:
+            view.problems.append(("CheckpointError", wrong))
+        view.digests[key] = (f.header_sha256, digest)
+
+
+def share_index(view: LocalView, what: str) -> SharedIndex | None:
+    """Every rank's ``view`` made into the whole checkpoint on each rank, the files this rank lacks
+    filled in from others; None when no rank has the path (then it may be a Hub repo id).
+
+    Every rank must call it; any rank's problem raises the same error (headed ``what``) on all.
+    When every rank has the same whole checkpoint, ``view.shared()`` is the answer without this
+    exchange (see ``load_into``).
+    """
+    rank, world = rank_and_world()
+    source = view.source
+    local = view.index
+    views = exchange((view.problems, view.digests, view.known, local is not None))
+    raise_for([v[0] for v in views], what)
+    if not any(v[3] for v in views):
+        return None
+
+    keys = sorted(set().union(*(set(v[2]) for v in views)))
+    readers = {k: [r for r, v in enumerate(views) if k in v[1]] for k in keys}
+    for key in keys:
+        if not readers[key]:
+            where = "missing on every node" if world > 1 else "it does not exist"
+            raise CheckpointError(f"{source}: '{key}' is part of the checkpoint but no rank can "
+                                  f"read it ({where})")
+        copies: dict[tuple[str, str], list[int]] = {}
+        for r in readers[key]:
+            copies.setdefault(tuple(views[r][1][key]), []).append(r)
+        if len(copies) > 1:
+            differ = "headers" if len({h for h, _ in copies}) > 1 else "data (same headers)"
+            groups = "; ".join(f"ranks {ranks}" for ranks in copies.values())
+            raise CheckpointError(f"{key}: the copies of this file differ in their {differ} between "
+                                  f"{groups}; every node must hold the same checkpoint")
+    lacking = [k for k in keys if len(readers[k]) < world]
+    if not lacking:
+        return SharedIndex(local)
+
+    # Each file some rank lacks: its first reader sends that file's header entries.
+    mine = {k: [(e.name, e.dtype, e.shape, e.start, e.nbytes) for e in local.tensors.values() if e.file == k]
+            for k in lacking if readers[k][0] == rank}
+    shared: dict[str, list] = {}
+    for part in exchange(mine):
+        shared.update(part)
+    tensors = dict(local.tensors) if local else {}
+    for key, rows in shared.items():
+        if rank not in readers[key]:
+            for name, dtype, shape, start, nbytes in rows:
+                tensors[name] = TensorEntry(name, key, dtype, tuple(shape), start, nbytes)
+    index = CheckpointIndex(local.source if local else source, tuple(keys), tensors,
+                            opened=local.opened if local else FileTable(),
+                            root=local.root if local else _root(source))
+    remote = frozenset(k for k in lacking if rank not in readers[k])
+    return SharedIndex(index, {k: readers[k] for k in lacking}, remote)
+
+
+def _planned(plan_load, index: CheckpointIndex) -> tuple[LoadPlan | None, list[tuple[str, str]]]:
+    """``plan_load(index)`` and its problems (an exception, or the plan's own)."""
+    plan, problems = problems_of("planning", lambda: plan_load(index))
+    return plan, (problems if plan is None else [("PlanError", p) for p in plan.problems])
+
+
+def _refused(source: str) -> str:
+    return f"zload: cannot load {source}; the model was not changed"
+
+
+def open_agreed(path: str, revision: str | None, verify: str,
+                plan_load) -> tuple[str, SharedIndex, LoadPlan]:
+    """Index the checkpoint and plan the load on every rank; raise on all if any rank cannot.
+
+    Usually every rank sees the same whole checkpoint: each plans against its own view, and one
+    all-reduce settles both that the views are the same (headers, and a sample of the data) and
+    that no plan has a problem. Otherwise (node-local shards, copies that differ, a Hub repo id,
+    a bad header) the ranks exchange their views, and then plan and agree on the plans. The
+    returned index's files stay open; the caller closes them.
+    """
+    view = local_view(path, verify)
+    try:
+        if verify == "full":
+            verify_fully(view)
+        plan, problems = _planned(plan_load, view.index) if view.whole else (None, [])
+        fingerprint = view.fingerprint
+        high, negated_low, partial, troubled = reduce_max(
+            [fingerprint, -fingerprint, int(not view.whole), len(problems)])
+        if high == -negated_low and not partial:  # the same whole checkpoint everywhere
+            _no_revision(path, revision)
+            if troubled:
+                raise_for(exchange(problems), _refused(path))
+            return path, view.shared(), plan
+        shared = share_index(view, _refused(path))
+        source = path
+        if shared is None:  # no rank has the path: a Hub repo id
+            view.close()
+            source = download(path, revision)
+            view = local_view(source, verify)
+            if verify == "full":
+                verify_fully(view)
+            shared = share_index(view, _refused(source))
+        else:
+            _no_revision(path, revision)
+        plan, problems = _planned(plan_load, shared.index)
+        agree(problems, _refused(source))
+        return source, shared, plan
+    except BaseException:
+        view.close()
+        raise
