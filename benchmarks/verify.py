@@ -58,9 +58,9 @@ def _sample_all(files: list[str]) -> float:
     from zload.index import parse_header
 
     with FileTable() as table:
-        opened = [table.add(open_regular(f)) for f in files]
-        for f in opened:
-            parse_header(f)
+        opened = [table.add(open_regular(f), f) for f in files]
+        for path, f in zip(files, opened):
+            parse_header(f, path)
         started = time.perf_counter()
         sample_digests([(f.fd, f.data_start, f.identity.size) for f in opened])
         return time.perf_counter() - started
