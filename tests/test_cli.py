@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import zload
 
-from zload.cli import main
+from zload.cli import human_bytes, main
 
 from .checkpoints import save_sharded
 
@@ -220,7 +220,7 @@ def test_python_dash_m_exit_codes(sharded, tmp_path):
 
 
 def test_validate_full_checks_the_digests_zload_save_recorded(tmp_path, capsys):
-    from zload.cli import main
+    from zload.cli import human_bytes, main
 
     model = torch.nn.Linear(300, 200)
     zload.save(model, tmp_path / "ckpt", max_shard_size=100_000)
@@ -237,3 +237,11 @@ def test_validate_full_checks_the_digests_zload_save_recorded(tmp_path, capsys):
     capsys.readouterr()
     assert main(["validate", "--full", str(tmp_path / "ckpt")]) == 1
     assert f"{shard}: its data do not match the digest recorded" in capsys.readouterr().err
+
+
+def test_human_bytes():
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(999) == "999 B"
+    assert human_bytes(1234) == "1.23 KB"
+    assert human_bytes(4_560_000_000) == "4.56 GB"
+    assert human_bytes(2 * 10**12) == "2.00 TB"

@@ -22,15 +22,24 @@ import sys
 from collections import Counter
 
 from . import __version__
+from .checkpoint import open_source
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch
 from .errors import CheckpointError, ZloadError
 from .execute import reader_count
-from .checkpoint import open_source
 from .index import CheckpointIndex
-from .progress import human_bytes
 from .targets import Partition
 
 DEFAULT_LIMIT = 50
+_BYTE_UNITS = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB"))
+
+
+def human_bytes(nbytes: float) -> str:
+    """``1234567`` -> ``"1.23 MB"`` (decimal units, as disk and download tools count); whole bytes
+    below 1 KB."""
+    for scale, label in _BYTE_UNITS:
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {label}"
+    return f"{int(nbytes)} B"
 
 
 def _natural(name: str) -> list:

@@ -138,11 +138,11 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     Names are also matched through transformers' conversion mapping (for a ``PreTrainedModel``),
     PEFT adapter names (for a ``PeftModel``) and one added or removed leading module prefix.
     ``progress``: a progress bar on rank 0 for loads longer than a second (None: only on a
-    terminal). ``verify``: how ranks make sure they read the same bytes: "sample" compares the
-    headers and a sample of each file's data across ranks; "full" digests every byte, once per
-    node, and checks files ``zload.save`` wrote against the digest it recorded. Must be called by
-    every rank. Raises ``ZloadError`` (the same on every rank) and leaves the model untouched when
-    the checkpoint does not fit the model.
+    terminal), unless huggingface_hub's progress bars are disabled. ``verify``: how ranks make
+    sure they read the same bytes: "sample" compares the headers and a sample of each file's data
+    across ranks; "full" digests every byte, once per node, and checks files ``zload.save`` wrote
+    against the digest it recorded. Must be called by every rank. Raises ``ZloadError`` (the same
+    on every rank) and leaves the model untouched when the checkpoint does not fit the model.
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
