@@ -39,7 +39,10 @@ from .distributed import (
 from .errors import ZloadError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, reader_count
 from .index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
-from .names import conversion_registry, match, peft_info, peft_role, transformers_model
+from .integrations.peft import peft_info, peft_role
+from .integrations.transformers import transformers_model
+from .integrations.transformers_registry import conversion_registry
+from .names import match
 from .report import SaveReport
 from .savedir import LOCK, STAGING_PREFIX, SaveFolder
 from .targets import ORPHAN, PARTITION, Target, collect_targets, dtype_name, unwrap
