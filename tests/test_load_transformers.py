@@ -58,7 +58,7 @@ def _structure(obj, seen=None):
     """A comparable form of a conversion registry: patterns by their text, objects by type and state."""
     import re
 
-    from zload.names import _LazyPattern
+    from zload.integrations.transformers_registry import _LazyPattern
 
     seen = set() if seen is None else seen
     if isinstance(obj, (re.Pattern, _LazyPattern)):
@@ -89,7 +89,11 @@ def test_deferred_registry_hands_out_transformers_own_transforms():
 
     from transformers import conversion_mapping, core_model_loading
 
-    from zload.names import _build_deferred_registry, _DeferredTransform, _LazyPattern
+    from zload.integrations.transformers_registry import (
+        _build_deferred_registry,
+        _DeferredTransform,
+        _LazyPattern,
+    )
 
     deferred = _build_deferred_registry(conversion_mapping, core_model_loading)
     assert conversion_mapping.WeightRenaming is core_model_loading.WeightRenaming  # module untouched
@@ -113,7 +117,7 @@ def test_deferred_transform_is_built_once_and_copied_apart():
 
     from transformers.core_model_loading import MergeModulelist, WeightConverter
 
-    from zload.names import _DeferredTransform
+    from zload.integrations.transformers_registry import _DeferredTransform
 
     deferred = _DeferredTransform(WeightConverter, r"experts.*.w2.weight", "experts.down_proj",
                                   operations=[MergeModulelist(dim=0)])
@@ -132,7 +136,7 @@ def test_lazy_pattern_behaves_as_a_pattern():
     import pickle
     import re
 
-    from zload.names import _LazyPattern
+    from zload.integrations.transformers_registry import _LazyPattern
 
     lazy = _LazyPattern(r"layers\.(?P<i>\d+)\.w")
     assert copy.deepcopy(lazy) is lazy and copy.copy(lazy) is lazy and lazy._compiled is None
@@ -144,13 +148,21 @@ def test_lazy_pattern_behaves_as_a_pattern():
 def test_registry_is_lent_only_for_the_block(monkeypatch):
     from transformers import conversion_mapping
 
-    from zload.names import conversion_registry
+    from zload.integrations.transformers_registry import conversion_registry
 
     monkeypatch.setattr(conversion_mapping, "_checkpoint_conversion_mapping_cache", None)
     with conversion_registry():
         lent = conversion_mapping._checkpoint_conversion_mapping_cache
         assert lent is not None and conversion_mapping.get_checkpoint_conversion_mapping("legacy")
     assert conversion_mapping._checkpoint_conversion_mapping_cache is None
+
+    def own_build():
+        raise AssertionError("transformers built its own registry while one was lent")
+
+    # the speed-up holds only while transformers answers from the lent registry
+    monkeypatch.setattr(conversion_mapping, "_build_checkpoint_conversion_mapping", own_build)
+    with conversion_registry():
+        assert conversion_mapping.get_checkpoint_conversion_mapping("mixtral")
     own = {"legacy": []}  # a registry transformers (or its user) built: used as it is
     monkeypatch.setattr(conversion_mapping, "_checkpoint_conversion_mapping_cache", own)
     with conversion_registry():

@@ -9,7 +9,8 @@ from torch import nn
 
 import zload
 from zload.index import CheckpointIndex, TensorEntry
-from zload.names import peft_role, align_prefix, apply_key_map, match
+from zload.integrations.peft import peft_role
+from zload.names import align_prefix, apply_key_map, match
 from zload.targets import FULL, Target
 
 from . import models
@@ -64,6 +65,25 @@ def test_ambiguous_prefix_is_not_guessed():
 ])
 def testpeft_roles_and_saved_names(name, role, aliases):
     assert peft_role(name, "default", "lora_") == (role, aliases)
+
+
+def test_name_matching_needs_neither_transformers_nor_peft():
+    """names.py matches names without either library; what they add to matching lives in
+    zload/integrations/, which imports them only inside its functions."""
+    import ast
+    from pathlib import Path
+
+    from zload import names
+    from zload.integrations import peft, transformers
+
+    tree = ast.parse(Path(names.__file__).read_text())
+    used = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+            for alias in node.names}
+    used |= {node.module.split(".")[0] for node in ast.walk(tree)
+             if isinstance(node, ast.ImportFrom) and not node.level}
+    used |= {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)}  # sys.modules.get(...)
+    assert not {"transformers", "peft"} & used
+    assert callable(peft.peft_role) and callable(transformers.apply_conversion_mapping)
 
 
 def test_two_checkpoint_tensors_for_one_model_tensor_is_a_problem():

@@ -17,7 +17,9 @@ import torch
 from .digest import DIGEST_KEY, DIGEST_PLACEHOLDER
 from .errors import ZloadError
 from .index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
-from .names import conversion_registry, match, peft_info, peft_role, transformers_model
+from .integrations.peft import peft_info, peft_role
+from .integrations.transformers import revert_conversion, transformers_model
+from .names import match
 from .plan import element_steps
 from .targets import ORPHAN, PARTITION, Target, dtype_name
 
@@ -113,12 +115,9 @@ def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[
     """
     if transformers_model(module) is None:
         return {i: [_as_is(targets, i, targets[i].name)] for i in wanted}
-    from transformers.core_model_loading import revert_weight_conversion
-
     meta = {targets[i].name: torch.empty(targets[i].shape, dtype=getattr(torch, targets[i].dtype),
                                          device="meta") for i in wanted}
-    with conversion_registry():
-        reverted = revert_weight_conversion(module, meta)
+    reverted = revert_conversion(module, meta)
     fake = {}
     for k, (name, t) in enumerate(reverted.items()):
         fake[name] = TensorEntry(name, "", _CODES[dtype_name(t.dtype)], tuple(t.shape),

@@ -18,7 +18,8 @@ import torch
 from .digest import block_count, block_digests, data_digest
 from .distributed import BATCH_FAILED, BATCH_OK, agree, collective, comm_device, exchange, problems_of, rank_and_world
 from .execute import byte_view, reader_count
-from .names import conversion_registry, peft_info
+from .integrations.peft import peft_info
+from .integrations.transformers import revert_conversion
 from .plan import ALIGN, staging_batches
 from .save_plan import OutFile, WriteItem
 from .savedir import SaveFolder
@@ -168,7 +169,6 @@ def write_converted(module, targets: list[Target], files: list[OutFile], folder:
     if not groups:
         return written, gathered
     import deepspeed
-    from transformers.core_model_loading import revert_weight_conversion
 
     rank, world = rank_and_world()
     for k, group in enumerate(groups):
@@ -180,8 +180,7 @@ def write_converted(module, targets: list[Target], files: list[OutFile], folder:
             full = {targets[i].name: _full_value(targets[i], master_weights) for i in group}
             if rank == writer:
                 try:
-                    with conversion_registry():
-                        converted = revert_weight_conversion(module, full)
+                    converted = revert_conversion(module, full)
                     out = _Files(folder)
                     try:
                         for name, (file, tensor, position) in placed.items():

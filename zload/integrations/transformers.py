@@ -1,0 +1,172 @@
+"""transformers: a ``PreTrainedModel``'s checkpoint conversion mapping as ``names.Source``s.
+
+transformers renames checkpoint tensors and converts some (stacks per-expert tensors, concatenates,
+splits, transposes) as it loads. Renames become plain names; a conversion that only moves whole
+rows becomes byte ranges (``Piece``s) of its inputs; any other is run on one rank (``convert``).
+transformers is imported only inside these functions, once a transformers model is being loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from math import prod
+from typing import Callable, Collection
+
+from ..index import DTYPES, CheckpointIndex
+from ..names import Piece, Source
+from .transformers_registry import conversion_registry
+
+
+def transformers_model(module):
+    """``module`` if it is a transformers ``PreTrainedModel``, else None (transformers is never
+    imported here: a model of it exists only once its user imported it)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, transformers.PreTrainedModel):
+        return None
+    return module
+
+
+def _layout_ops_only(converter) -> bool:
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist
+
+    return all(type(op) in (Chunk, Concatenate, MergeModulelist) for op in converter.operations)
+
+
+def _run_converter(converter, target_key, group, make_tensor, module) -> dict:
+    """Run a transformers WeightConverter on tensors made by ``make_tensor(entry)``."""
+    conv = copy.deepcopy(converter)
+    for pattern, entry in group:
+        conv.add_tensor(target_key, entry.name, pattern, make_tensor(entry))
+    return conv.convert(target_key, model=module, config=module.config)
+
+
+def _pieces_from_layout(group, meta_out, module, converter, target_key) -> dict[str, tuple] | None:
+    """Pieces of each output of a stack/concatenate/chunk converter, or None when the layout
+    cannot be expressed as whole rows of the inputs.
+
+    The converter is run on stand-ins holding one code per row (all dims but the last) of each
+    input; since those ops move whole rows, the codes come out in the order the rows take in the
+    real output, whose flat layout follows from the row widths.
+    """
+    import torch
+
+    def stand_in(entry):
+        j = position[entry.name]
+        rows = prod(entry.shape[:-1]) if entry.shape else 0
+        codes = torch.arange(rows, dtype=torch.int64) + (j << 40)
+        return codes.reshape(*entry.shape[:-1], 1)
+
+    entries = [e for _, e in group]
+    position = {e.name: j for j, e in enumerate(entries)}
+    if any(len(e.shape) == 0 for e in entries):
+        return None
+    coded = _run_converter(converter, target_key, group, stand_in, module)
+    widths = torch.tensor([e.shape[-1] for e in entries], dtype=torch.int64)
+    result = {}
+    for key, meta in meta_out.items():
+        codes = coded.get(key)
+        if codes is None or tuple(codes.shape[:-1]) != tuple(meta.shape[:-1]):
+            return None
+        codes = codes.reshape(-1)
+        src = codes >> 40
+        row = codes & ((1 << 40) - 1)
+        width = widths[src]
+        if meta.dim() and not torch.all(width.reshape(-1, codes.numel() // max(1, prod(meta.shape[:-1])))
+                                        .sum(1) == meta.shape[-1]):
+            return None
+        dst = torch.cumsum(width, 0) - width
+        # a new piece starts where the source changes or its rows stop being consecutive
+        starts = torch.ones_like(src, dtype=torch.bool)
+        starts[1:] = (src[1:] != src[:-1]) | (row[1:] != row[:-1] + 1)
+        idx = torch.nonzero(starts).reshape(-1).tolist() + [codes.numel()]
+        pieces = []
+        for a, b in zip(idx, idx[1:]):
+            j, w = int(src[a]), int(widths[src[a]])
+            pieces.append(Piece(entries[j], int(row[a]) * w, int(dst[a]), int(width[a:b].sum())))
+        result[key] = (tuple(meta.shape), tuple(pieces))
+    return result
+
+
+def _converter_sources(module, converter, target_key, group,
+                       wanted: Callable[[str], bool]) -> dict[str, Source]:
+    """Sources for the ``wanted`` model tensors one transformers WeightConverter produces."""
+    import torch
+
+    def meta_tensor(entry):
+        return torch.empty(entry.shape, dtype=getattr(torch, DTYPES[entry.dtype][0]), device="meta")
+
+    meta_out = _run_converter(converter, target_key, group, meta_tensor, module)
+    keys = [key for key in meta_out if wanted(key)]
+    entries = tuple(e for _, e in group)
+    layout = _pieces_from_layout(group, meta_out, module, converter, target_key) \
+        if _layout_ops_only(converter) else None
+    if layout is not None:
+        return {key: Source(entries, *layout[key]) for key in keys}
+    built: dict = {}  # outputs converted but not yet handed out
+
+    def converter_for(key):
+        def convert(read_tensor):
+            # The first output asked for reads the inputs and converts them once for all outputs;
+            # each is handed out once, so none is held after its turn.
+            if key not in built:
+                outputs = _run_converter(converter, target_key, group, read_tensor, module)
+                built.update((k, outputs[k]) for k in keys)
+            return built.pop(key)
+        return convert
+
+    return {key: Source(entries, tuple(meta_out[key].shape), (), converter_for(key)) for key in keys}
+
+
+def _transformers_renames(module, renamed: dict[str, str], model_names: set[str]):
+    """Apply transformers' conversion mapping: plain renames, and converter groups by target."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    with conversion_registry():
+        mapping = get_model_conversion_mapping(module)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    meta = dict.fromkeys(model_names, True)
+    plain: dict[str, str] = {}
+    groups: dict[str, tuple] = {}
+    for original in sorted(renamed, key=lambda n: dot_natural_key(renamed[n])):
+        name = renamed[original]
+        new, pattern = rename_source_key(name, renamings, converters, module.base_model_prefix, meta)
+        if new not in meta and name in meta:
+            new, pattern = name, None
+        if pattern is None:
+            plain[original] = new
+        else:
+            converter, members = groups.setdefault(new, (by_pattern[pattern], []))
+            members.append((pattern, original))
+    return plain, groups
+
+
+def apply_conversion_mapping(module, index: CheckpointIndex, renamed: dict[str, str],
+                             known: Collection[str]) -> tuple[dict[str, str], list[tuple[str, Source]]]:
+    """transformers' conversion mapping of ``module`` applied to ``renamed`` (checkpoint name ->
+    name so far): the plain renames, and (model name, source) for each tensor among the model's
+    ``known`` names that a converter builds."""
+    model_names = set(known) | {n for n, _ in module.named_buffers()}
+    plain, groups = _transformers_renames(module, renamed, model_names)
+    converted: list[tuple[str, Source]] = []
+    for target_key, (converter, members) in groups.items():
+        group = [(pattern, index.tensors[name]) for pattern, name in members]
+        converted += _converter_sources(module, converter, target_key, group, known.__contains__).items()
+    return plain, converted
+
+
+def revert_conversion(module, tensors: dict) -> dict:
+    """``tensors`` (by model name) as transformers' ``save_pretrained`` writes them: its conversion
+    mapping reversed, for names and shapes (meta tensors) or values."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with conversion_registry():
+        return revert_weight_conversion(module, tensors)
