@@ -84,14 +84,8 @@ def single_rank_load(cache: Path, size: str, device: torch.device) -> dict:
     import deepspeed
 
     import zload
-    from benchmarks.load import (
-        checkpoint_dir,
-        ensure_checkpoint,
-        llama_config,
-        parse_bytes,
-        verify_partitions,
-        warm_page_cache,
-    )
+    from benchmarks.load.checkpoint import checkpoint_dir, ensure_checkpoint, llama_config, parse_bytes, warm_page_cache
+    from benchmarks.load.methods import verify_partitions
 
     config = llama_config(parse_bytes(size))
     folder = checkpoint_dir(str(cache), config, "2GB")

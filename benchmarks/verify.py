@@ -27,19 +27,18 @@ import sys
 import tempfile
 import time
 
-from benchmarks.load import (
-    HERE,
+from benchmarks.load import HERE
+from benchmarks.load.checkpoint import (
     bf16_llama,
     checkpoint_dir,
     checkpoint_files,
     ensure_checkpoint,
-    host_info,
     llama_config,
     page_cache_residency,
     parse_size_spec,
     warm_page_cache,
-    zload_source_hash,
 )
+from benchmarks.load.report import host_info, zload_source_hash
 
 
 def _evict(files: list[str]) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
-from benchmarks import load as load_benchmark
+from benchmarks.load.report import write_outputs
 from zload.kernels.torch_scatter import scatter_cast_torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch, mo
     assert len(data["targets"]) == 8 and all(t.startswith(SIZE) for t in data["targets"])
     assert (tmp_path / "load-smoke.png").stat().st_size > 1000
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" raises ImportError
-    assert load_benchmark.write_outputs(data, str(tmp_path / "again")) == ".md"
+    assert write_outputs(data, str(tmp_path / "again")) == ".md"
     assert (tmp_path / "again.md").read_text() == table and not (tmp_path / "again.png").exists()
 
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import zload
-from zload.saving import parse_size
+from zload.save_plan import parse_size
 
 from .checkpoints import metadata_with_digest
 from .harness import run_world

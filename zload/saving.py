@@ -23,7 +23,6 @@ from .distributed import agree, exchange, problems_of, rank_and_world, stage
 from .errors import ZloadError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES
 from .report import SaveReport
-from .save_plan import parse_size  # noqa: F401  (zload.saving.parse_size: the one size parser)
 from .savedir import LOCK, STAGING_PREFIX, SaveFolder
 from .targets import collect_targets, unwrap
 

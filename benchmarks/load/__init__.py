@@ -1,0 +1,49 @@
+"""Load benchmark: transformers ``from_pretrained`` under ZeRO-3 vs ``zload.load_into`` vs the I/O floor.
+
+    python -m benchmarks.load --size 300MB 600MB@2 --world 1 2 --runs 3
+    torchrun --nproc_per_node 8 -m benchmarks.load --size 16GB --world 1 2 4 8
+
+For each size it writes (once, into a cache directory) a Llama-shaped bf16 checkpoint with
+transformers' ``save_pretrained`` (sharded), reads it once so the page cache is warm, and then, for
+each world size, method and run, starts a fresh world of W ranks (so peak RSS is that method's):
+
+- ``floor``: each rank ``os.preadv``s exactly its ZeRO-3 byte ranges (the ones zload reads) into a
+  preallocated buffer. Only the reads are timed: the I/O floor for a partitioned load.
+- ``alloc-floor``: each rank allocates (``torch.empty``) and touches (``fill_``) exactly its ZeRO-3
+  partitions, one tensor each, in the models' dtype: the floor for building a partitioned model.
+- ``zload``: build the model under ``deepspeed.zero.Init`` (timed as construct), then
+  ``zload.load_into`` (timed as load).
+- ``zload+init``: build under ``zload.init`` (no weight init, no broadcast), then ``load_into``.
+- ``transformers``: ``LlamaForCausalLM.from_pretrained`` with a live ``HfDeepSpeedConfig`` (ZeRO-3):
+  construct + load is the whole call, the load step is its ``_load_pretrained_model``.
+
+Run plainly, the script launches each world itself (``python -m torch.distributed.run``). Run under
+``torchrun`` (any number of nodes), the torchrun ranks only coordinate: for each measurement every
+rank below W starts one fresh worker process, and those workers form the measured world (NCCL and
+partitions on the GPUs when CUDA is available, else gloo on CPU).
+
+Each worker reports per rank: seconds (barrier to barrier, so the slowest rank's time), RSS
+(sampled every 5 ms by a thread, plus the kernel's high-water mark), bytes read and the bytes
+received through collectives (counted by wrapping torch.distributed's collectives). The parent
+takes the max over ranks of each run and the median over runs, and writes
+``OUT/load-<name>.json``, ``.md`` and ``.png``.
+
+Package layout: ``checkpoint`` (sizes, the Llama checkpoint, the page cache), ``methods`` (what
+each method does in a worker), ``worker`` (one rank of a measured world: metering and reporting),
+``launch`` (starting worlds, plainly or under torchrun), ``report`` (aggregation, targets, table
+and plot) and ``__main__`` (the command line and the measuring loop).
+"""
+
+import os
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
+REPO = os.path.dirname(HERE)
+METHODS = ("floor", "alloc-floor", "zload", "zload+init", "transformers")
+DEFAULT_STAGING = 64 << 20  # zload's default staging_bytes (zload.execute.DEFAULT_STAGING_BYTES)
+SLACK = 64_000_000  # the memory target: growth <= staging + 64 MB
+MB = 1e6
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)

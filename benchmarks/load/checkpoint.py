@@ -1,0 +1,150 @@
+"""The benchmark checkpoint: sizes, a Llama-shaped bf16 model of that size written once with
+``save_pretrained``, and the page cache it is read from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+from . import log
+
+
+def parse_bytes(text: str) -> int:
+    """A size as ``zload.save(max_shard_size=...)`` reads it (``300MB``, ``64MiB``, bytes)."""
+    from zload.errors import ZloadError
+    from zload.save_plan import parse_size  # imported here: the launcher itself does not load torch
+
+    try:
+        return parse_size(text)
+    except ZloadError as e:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 300MB, 1GB, 64MiB)") from e
+
+
+def parse_size_spec(text: str) -> tuple[str, int, list[int] | None]:
+    """``300MB`` -> every --world; ``600MB@2`` or ``600MB@2,4`` -> only those world sizes."""
+    size, _, worlds = text.partition("@")
+    nbytes = parse_bytes(size)
+    ws = [int(w) for w in worlds.split(",")] if worlds else None
+    if ws is not None and any(w < 1 for w in ws):
+        raise argparse.ArgumentTypeError(f"bad world sizes in {text!r}")
+    return size.strip(), nbytes, ws
+
+
+def llama_config(nbytes: int):
+    """A LlamaConfig whose bf16 parameters take about ``nbytes``."""
+    from transformers import LlamaConfig
+
+    params = nbytes / 2
+    if params < 1e8:
+        hidden, inter = 512, 1408
+    elif params < 1.5e9:
+        hidden, inter = 1024, 2816
+    elif params < 8e9:
+        hidden, inter = 2048, 5632
+    elif params < 4e10:
+        hidden, inter = 4096, 11008
+    else:
+        hidden, inter = 8192, 28672
+    vocab = 32000
+    if 2 * vocab * hidden > params / 2:  # small checkpoints: keep most of the bytes in the layers
+        vocab = max(256, int(params / 4 / hidden) // 64 * 64)
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    layers = max(1, round((params - 2 * vocab * hidden - hidden) / per_layer))
+    heads = max(1, hidden // 128)
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                       max_position_embeddings=2048, tie_word_embeddings=False)
+
+
+def checkpoint_dir(cache: str, config, shard: str) -> str:
+    c = config
+    return os.path.join(cache, f"llama-bf16-h{c.hidden_size}-i{c.intermediate_size}-l{c.num_hidden_layers}"
+                               f"-v{c.vocab_size}-shard{shard}")
+
+
+def bf16_llama(config):
+    """A plain ``LlamaForCausalLM`` built directly in bf16 (no fp32 copy on the way)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return LlamaForCausalLM(config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def ensure_checkpoint(folder: str, config, shard: str) -> None:
+    """Write the checkpoint unless a complete one is there (safe if several nodes share the cache)."""
+    marker = os.path.join(folder, "zload-bench-complete")
+    if os.path.exists(marker):
+        return
+    import torch
+
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".tmp-", dir=os.path.dirname(folder))
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    model = bf16_llama(config)
+    model.save_pretrained(tmp, max_shard_size=shard)
+    del model
+    with open(os.path.join(tmp, "zload-bench-complete"), "w") as f:
+        f.write("written by benchmarks/load.py\n")
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another node (shared cache) or a stale partial directory
+        if os.path.exists(marker):
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            os.rename(tmp, folder)
+    log(f"wrote {folder} in {time.perf_counter() - started:.1f} s")
+
+
+def checkpoint_files(folder: str) -> list[str]:
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+def warm_page_cache(folder: str) -> dict:
+    """Read every file once (like ``cat`` to /dev/null); report how much of it is then cached."""
+    started = time.perf_counter()
+    total = 0
+    buf = bytearray(16 << 20)
+    for path in checkpoint_files(folder):
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    info = {"bytes": total, "seconds": round(time.perf_counter() - started, 3)}
+    info["resident_fraction"] = page_cache_residency(folder)
+    return info
+
+
+def page_cache_residency(folder: str) -> float | None:
+    """Fraction of the checkpoint's bytes in the page cache (util-linux ``fincore``), if available."""
+    if not shutil.which("fincore"):
+        return None
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE",
+                              *checkpoint_files(folder)], capture_output=True, text=True, check=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    res = size = 0
+    for line in out.split("\n"):
+        parts = line.split()
+        if len(parts) == 2:
+            res, size = res + int(parts[0]), size + int(parts[1])
+    return round(res / size, 4) if size else None
+
+
+def checkpoint_bytes(folder: str) -> int:
+    from zload import open_checkpoint
+
+    with open_checkpoint(folder) as index:
+        return index.total_bytes

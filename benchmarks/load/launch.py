@@ -1,0 +1,140 @@
+"""Starting measured worlds: plainly (``python -m torch.distributed.run`` per measurement) or, under
+torchrun, one worker per torchrun rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+from . import REPO
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _worker_args(method: str, folder: str, result_dir: str, args) -> list[str]:
+    """The worker's command line after the Python executable (``-m``, as ``torchrun -m`` takes it)."""
+    cmd = ["-m", "benchmarks.load", "--worker", method, "--checkpoint", folder, "--result-dir", result_dir,
+           "--staging-bytes", str(args.staging_bytes), "--model-dtype", args.model_dtype,
+           "--load-verify", args.load_verify]
+    return cmd + ([] if args.verify else ["--no-verify"])
+
+
+def snapshot_zload() -> str:
+    """Copy zload's sources to a temporary folder that every worker imports from, so that an edit of
+    the working tree (an editable install) during a long run cannot mix two versions."""
+    import zload
+
+    root = tempfile.mkdtemp(prefix="zload-bench-src-")
+    shutil.copytree(os.path.dirname(os.path.abspath(zload.__file__)), os.path.join(root, "zload"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def _worker_env(world: int, snapshot: str | None) -> dict:
+    env = dict(os.environ)
+    if snapshot:
+        env["PYTHONPATH"] = snapshot + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if not cuda_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // world)))
+    else:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _read_ranks(result_dir: str, world: int) -> list[dict]:
+    ranks = []
+    for r in range(world):
+        with open(os.path.join(result_dir, f"rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    return ranks
+
+
+def measure_local(method: str, world: int, folder: str, args, log_path: str) -> list[dict]:
+    """Launch one world of ``world`` ranks on this machine with torchrun; per-rank results."""
+    with tempfile.TemporaryDirectory(prefix="zload-bench-") as result_dir:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               *_worker_args(method, folder, result_dir, args)]
+        with open(log_path, "w") as out:
+            try:
+                rc = subprocess.call(cmd, env=_worker_env(world, args.snapshot), stdout=out, stderr=subprocess.STDOUT,
+                                     timeout=args.timeout, cwd=REPO)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if rc != 0:
+            with open(log_path) as f:
+                tail = f.read()[-4000:]
+            raise RuntimeError(f"{method} at world {world} failed ({rc}); log {log_path}:\n{tail}")
+        return _read_ranks(result_dir, world)
+
+
+class TorchrunWorld:
+    """Under torchrun: the torchrun ranks coordinate; each measurement is a fresh worker world."""
+
+    def __init__(self):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=timedelta(hours=3))
+        self.dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def broadcast(self, value):
+        box = [value]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def measure(self, method: str, world: int, folder: str, args, log_path: str) -> list[dict] | None:
+        port = self.broadcast(free_port() if self.rank == 0 else None)
+        record = None
+        if self.rank < world:
+            env = _worker_env(world, args.snapshot)
+            node_first = self.rank - self.local_rank  # torchrun numbers ranks node by node
+            on_this_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), world - node_first)
+            env.update(RANK=str(self.rank), WORLD_SIZE=str(world), MASTER_PORT=str(port),
+                       LOCAL_WORLD_SIZE=str(on_this_node),  # zload sizes its reader threads by it
+                       TORCHELASTIC_USE_AGENT_STORE="False")  # the worker world hosts its own store
+            with tempfile.TemporaryDirectory(prefix="zload-bench-") as result_dir:
+                path = f"{log_path}.rank{self.rank}"
+                with open(path, "w") as out:
+                    try:
+                        rc = subprocess.call([sys.executable, *_worker_args(method, folder, result_dir, args)],
+                                             env=env, stdout=out, stderr=subprocess.STDOUT,
+                                             timeout=args.timeout, cwd=REPO)
+                    except subprocess.TimeoutExpired:
+                        rc = "timeout"
+                if rc == 0:
+                    with open(os.path.join(result_dir, f"rank{self.rank}.json")) as f:
+                        record = json.load(f)
+                else:
+                    with open(path) as f:
+                        record = {"error": f"rank {self.rank} exited {rc}; log {path}:\n{f.read()[-4000:]}"}
+        gathered = [None] * self.size
+        self.dist.all_gather_object(gathered, record)
+        ranks = gathered[:world]
+        errors = [r["error"] for r in ranks if r and "error" in r]
+        if errors:
+            raise RuntimeError(f"{method} at world {world} failed:\n" + "\n".join(errors))
+        return ranks

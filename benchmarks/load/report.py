@@ -1,0 +1,380 @@
+"""From per-rank results to medians, targets, the markdown table and the plot.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+
+from . import MB, METHODS, REPO, SLACK, log
+
+
+def _max(ranks, segment, key, default=None):
+    values = [r["segments"][segment][key] for r in ranks if key in r["segments"].get(segment, {})]
+    return max(values) if values else default
+
+
+def _growth(ranks, segment, key="rss") -> float | None:
+    """The largest rise over ranks of ``key`` (rss, anon) within ``segment``, if measured."""
+    values = [r["segments"][segment][f"{key}_peak"] - r["segments"][segment][f"{key}_before"]
+              for r in ranks if f"{key}_peak" in r["segments"].get(segment, {})]
+    return max(values) if values else None
+
+
+def summarize_run(ranks: list[dict]) -> dict:
+    """One measurement: the max over ranks of every quantity."""
+    run = {
+        "load_s": _max(ranks, "load", "seconds"),
+        "construct_s": _max(ranks, "construct", "seconds"),
+        "total_s": _max(ranks, "total", "seconds"),
+        "peak_rss": _max(ranks, "total", "rss_peak"),
+        "rss_before_load": _max(ranks, "load", "rss_before"),
+        "load_rss_growth": _growth(ranks, "load"),
+        "load_anon_growth": _growth(ranks, "load", "anon"),
+        "construct_rss_growth": _growth(ranks, "construct"),
+        "total_rss_growth": _growth(ranks, "total"),
+        "partition_bytes": max(r.get("partition_bytes", 0) for r in ranks),
+        "peak_anon": _max(ranks, "total", "anon_peak"),
+        "bytes_read": max(r.get("bytes_read", 0) for r in ranks),
+        "bytes_read_by_rank": [r.get("bytes_read", 0) for r in ranks],
+        "collective_received_load": _max(ranks, "load", "comm_received"),
+        "collective_received_total": _max(ranks, "total", "comm_received"),
+        "zload_sent_received": max((r.get("bytes_sent", 0) + r.get("bytes_received", 0) for r in ranks),
+                                   default=0),
+        "rchar_load": _max(ranks, "load", "rchar"),
+        "reload_s": _max(ranks, "reload", "seconds"),
+        "zload_file": ranks[0].get("zload_file"),
+        "samples": min(r.get("samples", 0) for r in ranks),
+        "verified": (None if any(r.get("verified") is None for r in ranks)
+                     else all(r["verified"]["ok"] for r in ranks)),
+    }
+    if "gpu_peak" in ranks[0]["segments"]["total"]:
+        run["gpu_peak"] = _max(ranks, "total", "gpu_peak")
+        run["load_gpu_growth"] = _growth(ranks, "load", "gpu")
+        run["construct_gpu_growth"] = _growth(ranks, "construct", "gpu")
+    bad = [r["verified"]["problems"] for r in ranks if r.get("verified") and not r["verified"]["ok"]]
+    if bad:
+        run["verify_problems"] = bad
+    return run
+
+
+_MEDIAN_KEYS = ("load_s", "construct_s", "total_s", "peak_rss", "load_rss_growth", "load_anon_growth",
+                "construct_rss_growth", "total_rss_growth", "partition_bytes", "peak_anon", "bytes_read",
+                "collective_received_load", "collective_received_total", "zload_sent_received",
+                "rchar_load", "reload_s", "gpu_peak", "load_gpu_growth", "construct_gpu_growth")
+
+
+def summarize(entry: dict) -> None:
+    runs = entry["runs"]
+    med = {}
+    for key in _MEDIAN_KEYS:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if values:
+            med[key] = statistics.median(values)
+    for key in ("load_rss_growth", "construct_rss_growth", "total_rss_growth"):  # worst run, for targets
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if values:
+            med[f"max_{key}"] = max(values)
+    if "load_s" in med:
+        med["load_gb_s"] = entry["checkpoint_bytes"] / med["load_s"] / 1e9
+        med["load_s_min"] = min(r["load_s"] for r in runs)
+        med["load_s_max"] = max(r["load_s"] for r in runs)
+    entry["median"] = med
+    entry["verified"] = (None if any(r["verified"] is None for r in runs)
+                         else all(r["verified"] for r in runs))
+
+
+def zload_source_hash(root: str) -> str:
+    """A hash of the zload sources under ``root`` (the snapshot the workers import)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    digest.update(name.encode() + f.read())
+    return digest.hexdigest()[:12]
+
+
+def host_info() -> dict:
+    import psutil
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"hostname": socket.gethostname(), "cpu": cpu, "cpu_cores": os.cpu_count(),
+            "cpu_cores_usable": len(os.sched_getaffinity(0)),
+            "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__}
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("deepspeed", "transformers", "zload"):
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10, check=False).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "zload"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        info["zload_commit"] = head + ("+uncommitted zload/ changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def fmt_mb(value) -> str:
+    if value is None:
+        return "–"
+    return f"{value / MB:,.1f}" if abs(value) < 100 * MB else f"{value / MB:,.0f}"
+
+
+def _bytes(value) -> str:
+    """With a unit: 0, 522 B, 12.3 kB, 1.5 MB, 311 MB."""
+    if value is None:
+        return "–"
+    if value == 0:
+        return "0"
+    if value < 1e3:
+        return f"{value:.0f} B"
+    if value < 1e6:
+        return f"{value / 1e3:.1f} kB"
+    return f"{fmt_mb(value)} MB"
+
+
+def fmt_s(value) -> str:
+    return "–" if value is None else f"{value:.2f}" if value >= 0.1 else f"{value:.3f}"
+
+
+def _residency(data: dict) -> str:
+    """How warm the page cache was: the lowest residency seen before any measurement of a size."""
+    before_each = {}
+    for e in data["results"]:
+        for run in e["runs"]:
+            if run.get("page_cache_resident") is not None:
+                size = e["size"]
+                before_each[size] = min(before_each.get(size, 1.0), run["page_cache_resident"])
+    if before_each:
+        return "every file re-read before each measurement; lowest residency then: " + ", ".join(
+            f"{size}: {fraction:.0%}" for size, fraction in before_each.items())
+    return "every file read once before the runs; " + ", ".join(
+        f"{s['size']}: {s['page_cache']['resident_fraction']:.0%} resident"
+        if s["page_cache"].get("resident_fraction") is not None else f"{s['size']}: read once"
+        for s in data["checkpoints"])
+
+
+def markdown(data: dict) -> str:
+    host = data["host"]
+    gpu = any("gpu_peak" in e["median"] for e in data["results"])
+    lines = [
+        f"Host: {host['cpu']}, {host['cpu_cores_usable']} cores usable, {host['memory_gb']} GB RAM"
+        + (f", {host.get('gpu_count')}x {host['gpu']}" if host.get("gpu") else "")
+        + f"; torch {host['torch']}, deepspeed {host.get('deepspeed')}, transformers "
+        f"{host.get('transformers')}, zload {host.get('zload')} ({host.get('zload_commit', '?')}).",
+        f"Backend {data['backend']}; load_into(verify={data.get('load_verify', 'sample')!r}); "
+        f"page cache warm ({_residency(data)}). Median of the runs shown; each run is a fresh world; every number is the max over ranks.",
+        "",
+        ("| checkpoint | W | method | construct s | load s | construct + load s | load GB/s "
+         "| peak RSS / rank MB | RSS growth in construct MB | RSS growth in load MB | "
+         + ("peak GPU / rank MB | GPU growth in construct MB | " if gpu else "")
+         + "read / rank MB | collectives / rank (load; construct + load) | runs |"),
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "") + "---:|---:|---:|",
+    ]
+    for e in data["results"]:
+        m = e["median"]
+        read = fmt_mb(m.get("bytes_read")) + (" (rank 0 only)" if e["method"] == "transformers" else "")
+        floor = e["method"] in ("floor", "alloc-floor")
+        if floor:
+            coll = "0"
+        else:
+            coll = f"{_bytes(m.get('collective_received_load'))}; {_bytes(m.get('collective_received_total'))}"
+        construct_load = "–" if floor else fmt_s(m.get("total_s"))
+        gb_s = f"{m['load_gb_s']:.2f}" if "load_gb_s" in m else "–"
+        lines.append(
+            f"| {e['size']} ({e['checkpoint_bytes'] / MB:,.0f} MB) | {e['world']} | {e['method']} "
+            f"| {fmt_s(m.get('construct_s') if e['method'] != 'floor' else None)} | {fmt_s(m.get('load_s'))} "
+            f"| {construct_load} | {gb_s} | {fmt_mb(m.get('peak_rss'))} | {fmt_mb(m.get('construct_rss_growth'))} "
+            f"| {fmt_mb(m.get('load_rss_growth'))} | "
+            + (f"{fmt_mb(m.get('gpu_peak'))} | {fmt_mb(m.get('construct_gpu_growth'))} | " if gpu else "")
+            + f"{read} | {coll} | {len(e['runs'])} |")
+    lines += ["", ("Columns: *construct s* is building the model (zero.Init or zload.init; for "
+              "transformers the whole `from_pretrained` but its load step) or the allocation floor's "
+              "allocate-and-touch; *load s* is zload's `load_into`, transformers' load step "
+              "(`_load_pretrained_model`, inside `from_pretrained`), or the floor's reads; "
+              "*construct + load s* is zero.Init / zload.init construction plus `load_into`, or the whole "
+              "`from_pretrained`; *GB/s* is checkpoint bytes / load s. *Peak RSS* covers construct + load; "
+              "*growth* is the peak during construction or the load minus the RSS when it began (for "
+              "transformers' load it "
+              "includes the checkpoint pages rank 0 memory-maps). *collectives* counts bytes each rank "
+              "receives through torch.distributed collectives (wrapped and counted, not estimated), during "
+              "the load and during construct + load; for zload that is its small agreement exchanges "
+              "(its `bytes_sent + bytes_received`, for ranks lacking a file, is 0 on one machine)."),
+              ""]
+    if data.get("notes"):
+        lines += [f"- {note}" for note in data["notes"]] + [""]
+    lines += ["Targets (world size 2):", ""] + [f"- {t}" for t in data.get("targets", [])]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def evaluate_targets(data: dict) -> list[str]:
+    out = []
+    limit = data["staging_bytes"] + SLACK
+    by_key = {(e["size"], e["world"], e["method"]): e for e in data["results"]}
+    for size in [s["size"] for s in data["checkpoints"]]:
+        z = by_key.get((size, 2, "zload"))
+        if not z:
+            continue
+        zi = by_key.get((size, 2, "zload+init"))
+        t = by_key.get((size, 2, "transformers"))
+        f = by_key.get((size, 2, "floor"))
+        zl = z["median"]["load_s"]
+        if t:
+            ratio = t["median"]["load_s"] / zl
+            ratio_total = t["median"]["total_s"] / z["median"]["total_s"]
+            extra = ""
+            if zi:
+                extra = (f"; from_pretrained {fmt_s(t['median']['total_s'])} s vs zload.init + load_into "
+                         f"{fmt_s(zi['median']['total_s'])} s = "
+                         f"{t['median']['total_s'] / zi['median']['total_s']:.1f}x")
+            out.append(f"{size}: zload load >= 5x faster than transformers' load step: "
+                       f"{'MET' if ratio >= 5 else 'NOT MET'} ({fmt_s(t['median']['load_s'])} s vs {fmt_s(zl)} s = "
+                       f"{ratio:.1f}x; construct + load: from_pretrained vs zero.Init + load_into "
+                       f"{ratio_total:.1f}x{extra})")
+        if f:
+            ratio = zl / f["median"]["load_s"]
+            again = z["median"].get("reload_s")
+            again = (f"; diagnostic: a second load_into in the same process {fmt_s(again)} s = "
+                     f"{again / f['median']['load_s']:.2f}x the floor") if again else ""
+            out.append(f"{size}: zload load within 1.3x of the I/O floor: "
+                       f"{'MET' if ratio <= 1.3 else 'NOT MET'} ({fmt_s(zl)} s vs {fmt_s(f['median']['load_s'])} s"
+                       f" = {ratio:.2f}x{again})")
+        a = by_key.get((size, 2, "alloc-floor"))
+        if zi and a:
+            out += _construction_targets(size, zi["median"], a["median"], f and f["median"], t and t["median"])
+        worst = z["median"]["max_load_rss_growth"]
+        out.append(f"{size}: zload RSS growth during the load <= staging "
+                   f"({data['staging_bytes'] / 2**20:.0f} MiB) + 64 MB = {limit / MB:.0f} MB: "
+                   f"{'MET' if worst <= limit else 'NOT MET'} (worst rank of the worst run {worst / MB:.1f} MB)")
+        if zi:  # zload.init's partitions are first touched by the load's writes: count them once
+            worst, parts = zi["median"]["max_total_rss_growth"], zi["median"]["partition_bytes"]
+            out.append(f"{size}: zload+init RSS growth over construct + load <= this rank's partitions "
+                       f"({parts / MB:,.0f} MB) + staging + 64 MB = {(parts + limit) / MB:,.0f} MB: "
+                       f"{'MET' if worst <= parts + limit else 'NOT MET'} (worst rank of the worst run "
+                       f"{worst / MB:,.1f} MB)")
+    return out
+
+
+def _construction_targets(size, init, alloc, floor, transformers) -> list[str]:
+    """zload.init's targets: construction near the allocation floor, construct + load near both
+    floors, far ahead of from_pretrained, and no more memory than this rank's partitions."""
+    def verdict(ok):
+        return "MET" if ok else "NOT MET"
+
+    out = []
+    ratio = init["construct_s"] / alloc["construct_s"]
+    out.append(f"{size}: zload.init construction <= 1.5x the allocation floor: {verdict(ratio <= 1.5)} "
+               f"({fmt_s(init['construct_s'])} s vs {fmt_s(alloc['construct_s'])} s = {ratio:.2f}x)")
+    if floor:
+        both = floor["load_s"] + alloc["construct_s"]
+        ratio = init["total_s"] / both
+        out.append(f"{size}: zload.init + load_into <= 2.5x (I/O floor + allocation floor): "
+                   f"{verdict(ratio <= 2.5)} ({fmt_s(init['total_s'])} s vs {fmt_s(both)} s = {ratio:.2f}x)")
+    if transformers:
+        ratio = transformers["total_s"] / init["total_s"]
+        out.append(f"{size}: zload.init + load_into >= 8x faster than from_pretrained under ZeRO-3: "
+                   f"{verdict(ratio >= 8)} ({fmt_s(transformers['total_s'])} s vs {fmt_s(init['total_s'])} s = "
+                   f"{ratio:.1f}x)")
+    worst, limit = init["max_construct_rss_growth"], init["partition_bytes"] + SLACK
+    out.append(f"{size}: zload.init RSS growth during construction <= this rank's partitions "
+               f"({init['partition_bytes'] / MB:,.0f} MB) + 64 MB: {verdict(worst <= limit)} (worst rank of "
+               f"the worst run {worst / MB:,.1f} MB)")
+    return out
+
+
+def plot(data: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [s["size"] for s in data["checkpoints"]]
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 3.8 * len(sizes)), squeeze=False)
+    colors = {"floor": "tab:gray", "alloc-floor": "tab:olive", "zload": "tab:blue", "zload+init": "tab:green",
+              "transformers": "tab:red"}
+    for row, size in zip(axes, sizes):
+        entries = [e for e in data["results"] if e["size"] == size]
+        for method in METHODS:
+            es = sorted((e for e in entries if e["method"] == method), key=lambda e: e["world"])
+            if not es:
+                continue
+            ws = [e["world"] for e in es]
+            if method == "alloc-floor":
+                row[0].plot(ws, [e["median"]["construct_s"] for e in es], "^-", color=colors[method],
+                            label=f"{method}: construct")
+            else:
+                row[0].plot(ws, [e["median"]["load_s"] for e in es], "o-", color=colors[method],
+                            label=f"{method}: load" + (" step" if method == "transformers" else ""))
+            if method not in ("floor", "alloc-floor"):
+                row[0].plot(ws, [e["median"]["total_s"] for e in es], "s--", color=colors[method],
+                            alpha=0.6, label=f"{method}: construct + load")
+            row[1].plot(ws, [e["median"]["peak_rss"] / MB for e in es], "o-", color=colors[method],
+                        label=f"{method}: peak")
+            if method != "alloc-floor":
+                row[1].plot(ws, [e["median"]["load_rss_growth"] / MB for e in es], "v:", color=colors[method],
+                            alpha=0.7, label=f"{method}: growth in load")
+        nbytes = entries[0]["checkpoint_bytes"] if entries else 0
+        row[0].set_title(f"{size} bf16 checkpoint ({nbytes / MB:,.0f} MB): seconds")
+        row[0].set_yscale("log")
+        row[0].set_ylabel("seconds (median, slowest rank)")
+        row[1].set_title(f"{size}: RSS per rank (max over ranks)")
+        row[1].set_ylabel("MB")
+        for ax in row:
+            ax.set_xlabel("world size")
+            ax.set_xticks(sorted({e["world"] for e in entries}))
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    host = data["host"]
+    fig.suptitle(f"zload load benchmark: {host['cpu']}, {host['cpu_cores_usable']} cores"
+                 + (f", {host.get('gpu_count')}x {host['gpu']}" if host.get("gpu") else "")
+                 + f", {data['backend']}, warm page cache", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(data: dict, stem: str) -> str:
+    """STEM.md (the command, then the table) and STEM.png from a results dict; returns what it
+    wrote. Without matplotlib (a GPU machine's image may lack it) there is no plot, rather than a
+    failure after the measurements: ``--render STEM.json`` draws it elsewhere."""
+    with open(stem + ".md", "w") as f:
+        f.write(f"`{data['command']}`\n\n" + markdown(data))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log(f"no matplotlib here, so no plot: `python -m benchmarks.load --render {stem}.json` "
+            "draws it where matplotlib is installed (pip install -e '.[bench]')")
+        return ".md"
+    plot(data, stem + ".png")
+    return ".md, .png"
+
+
+def default_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+    return "cpu"

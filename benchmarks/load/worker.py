@@ -1,0 +1,240 @@
+"""One rank of a measured world: counting collectives, metering time and memory, running a method
+and writing its result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+from .methods import RUNNERS, partition_bytes
+
+
+class CommCounter:
+    """Bytes this rank receives through torch.distributed collectives and point-to-point ops.
+
+    Installed before DeepSpeed is imported, so the functions DeepSpeed captures are the counted ones.
+    An all-gather counts output - input, a broadcast the tensor on every rank but the source, an
+    all-reduce the tensor once (nominal), a reduce-scatter input - output, a recv its tensor.
+    """
+
+    def __init__(self):
+        self.received = 0
+        self.calls = 0
+
+    def install(self):
+        import inspect
+
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        def broadcast(a):
+            group = a.get("group")
+            if a.get("group_src") is not None:
+                is_src = a["group_src"] == dist.get_rank(group)
+            else:
+                is_src = a.get("src") == dist.get_rank()
+            return 0 if is_src else nbytes(a["tensor"])
+
+        rules = {
+            "broadcast": broadcast,
+            "all_gather_into_tensor": lambda a: nbytes(a["output_tensor"]) - nbytes(a["input_tensor"]),
+            "all_gather": lambda a: sum(nbytes(t) for t in a["tensor_list"]) - nbytes(a["tensor"]),
+            "all_reduce": lambda a: nbytes(a["tensor"]),
+            "reduce_scatter_tensor": lambda a: nbytes(a["input"]) - nbytes(a["output"]),
+            "all_to_all_single": lambda a: nbytes(a["output"]),
+            "recv": lambda a: nbytes(a["tensor"]),
+            "irecv": lambda a: nbytes(a["tensor"]),
+        }
+        for name, rule in rules.items():
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            signature = inspect.signature(original)
+
+            def counted(*args, __original=original, __signature=signature, __rule=rule, **kwargs):
+                try:
+                    bound = __signature.bind(*args, **kwargs)
+                    self.received += max(0, __rule(bound.arguments))
+                    self.calls += 1
+                except Exception:  # noqa: BLE001, S110 - never let counting break a collective
+                    pass
+                return __original(*args, **kwargs)
+
+            counted.__name__ = original.__name__
+            counted.__qualname__ = original.__qualname__
+            counted.__doc__ = original.__doc__
+            setattr(c10d, name, counted)
+            if getattr(dist, name, None) is original:
+                setattr(dist, name, counted)
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.received, self.calls
+
+
+class Meter:
+    """Timed, memory-sampled segments; begin/end synchronise all ranks (barriers)."""
+
+    def __init__(self, counter: CommCounter, cuda: bool):
+        import psutil
+
+        self.process = psutil.Process()
+        self.counter = counter
+        self.cuda = cuda
+        self.open: dict[str, dict] = {}
+        self.done: dict[str, dict] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.samples = 0
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _memory(self) -> tuple[int, int]:
+        m = self.process.memory_info()  # /proc/self/statm: rss and its file-backed (shared) part
+        return m.rss, m.rss - m.shared
+
+    def _sample(self) -> tuple[int, int]:
+        rss, anon = self._memory()
+        with self.lock:
+            self.samples += 1
+            for seg in self.open.values():
+                seg["rss_peak"] = max(seg["rss_peak"], rss)
+                seg["anon_peak"] = max(seg["anon_peak"], anon)
+        return rss, anon
+
+    def _loop(self):
+        while not self.stop.wait(0.005):
+            self._sample()
+
+    @staticmethod
+    def _high_water() -> int:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+    @staticmethod
+    def _rchar() -> int:
+        try:
+            with open("/proc/self/io") as f:
+                for line in f:
+                    if line.startswith("rchar:"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def _fold_gpu(self):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            with self.lock:
+                for seg in self.open.values():
+                    seg["gpu_peak"] = max(seg["gpu_peak"], peak)
+
+    def begin(self, name: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._fold_gpu()
+        dist.barrier()
+        rss, anon = self._sample()
+        seg = {"rss_before": rss, "rss_peak": rss, "anon_before": anon, "anon_peak": anon,
+               "high_water_before": self._high_water(), "comm_before": self.counter.snapshot(),
+               "rchar_before": self._rchar(), "gpu_before": 0, "gpu_peak": 0}
+        if self.cuda:
+            seg["gpu_before"] = seg["gpu_peak"] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        seg["t0"] = time.perf_counter()
+        with self.lock:
+            self.open[name] = seg
+
+    def end(self, name: str) -> dict:
+        import torch.distributed as dist
+
+        self._fold_gpu()
+        dist.barrier()
+        seconds = time.perf_counter() - self.open[name]["t0"]
+        rss_after, anon_after = self._sample()
+        with self.lock:
+            seg = self.open.pop(name)
+        high_water = self._high_water()
+        if high_water > seg["high_water_before"]:  # a new lifetime peak, so it was reached in here
+            seg["rss_peak"] = max(seg["rss_peak"], high_water)
+        received, calls = self.counter.snapshot()
+        out = {
+            "seconds": seconds,
+            "rss_before": seg["rss_before"], "rss_peak": seg["rss_peak"], "rss_after": rss_after,
+            "anon_before": seg["anon_before"], "anon_peak": seg["anon_peak"], "anon_after": anon_after,
+            "comm_received": received - seg["comm_before"][0], "comm_calls": calls - seg["comm_before"][1],
+            "rchar": self._rchar() - seg["rchar_before"],
+        }
+        if self.cuda:
+            out.update(gpu_before=seg["gpu_before"], gpu_peak=seg["gpu_peak"])
+        self.done[name] = out
+        return out
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+
+
+
+
+def worker_main(args) -> None:
+    """One rank of a measured world; writes RESULT_DIR/rank<R>.json, then leaves without teardown."""
+    import contextlib
+    import io
+    import logging
+    import traceback
+    import warnings
+
+    counter = CommCounter()
+    counter.install()  # before DeepSpeed captures torch.distributed's functions
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    import deepspeed
+    import torch.distributed as dist
+    import transformers
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore")
+    with contextlib.redirect_stdout(io.StringIO()):
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    meter = Meter(counter, cuda)
+    rc = 0
+    try:
+        method = args.worker
+        result = RUNNERS[method](args.checkpoint, meter, args)
+        meter.close()
+        segments = dict(meter.done)
+        if "construct" not in segments and "load" in segments:
+            segments["construct"] = {"seconds": segments["total"]["seconds"] - segments["load"]["seconds"]}
+        result.update(method=method, rank=rank, world=world, segments=segments, samples=meter.samples,
+                      partition_bytes=partition_bytes(args.checkpoint, getattr(torch, args.model_dtype)),
+                      device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu",
+                      backend=dist.get_backend(), omp_threads=torch.get_num_threads())
+        with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - report, then leave with a failing status
+        traceback.print_exc()
+        rc = 1
+    # Leave without tearing down the process group: gloo sometimes aborts at interpreter exit after
+    # DeepSpeed (see examples/demo.py), which would fail a measurement that has already finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
