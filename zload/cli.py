@@ -22,7 +22,7 @@ from collections import Counter
 
 from . import __version__
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch
-from .errors import CheckpointError, ZloadError
+from .errors import InvalidCheckpointError, ZloadError
 from .execute import reader_count
 from .index import CheckpointIndex, open_checkpoint
 from .progress import human_bytes
@@ -212,7 +212,7 @@ def _check_recorded_digests(index: CheckpointIndex) -> tuple[int, int]:
                                            range(count), reader_count()), count)
         wrong = recorded_mismatch(path, opened.metadata, digest)
         if wrong:
-            raise CheckpointError(wrong)
+            raise InvalidCheckpointError(wrong, path=path)
         checked += 1
     return checked, len(index.files) - checked
 

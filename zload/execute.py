@@ -69,10 +69,10 @@ def _read_run(run: _Run) -> int:
         try:
             got = os.preadv(run.fd, buffers, offset)
         except OSError as e:
-            raise CheckpointError(f"{run.file}: read failed at byte {offset}: {e.strerror}") from e
+            raise CheckpointError(f"{run.file}: read failed at byte {offset}: {e.strerror}", path=run.file) from e
         if got == 0:
             raise CheckpointError(f"{run.file}: unexpected end of file at byte {offset} "
-                                  "(was the file changed during the load?)")
+                                  "(was the file changed during the load?)", path=run.file)
         offset += got
         while buffers and got >= len(buffers[0]):
             got -= len(buffers[0])

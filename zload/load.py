@@ -17,6 +17,7 @@ import torch
 from .collector import collector_paused
 from .converted import load_converted
 from .distributed import (
+    Problem,
     agree,
     collective,
     exchange,
@@ -26,7 +27,7 @@ from .distributed import (
     reduce_max,
     stage,
 )
-from .errors import PeerLostError, ZloadError, ZloadWarning
+from .errors import ArgumentValueError, PeerLostError, PlanError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .hub import resolve_checkpoint
 from .index import CheckpointIndex
@@ -126,10 +127,10 @@ def _zero_padding(param) -> None:
     param.ds_tensor.data.view(-1)[zero_partition(param).valid:].zero_()
 
 
-def _planned(plan_load, index: CheckpointIndex) -> tuple[LoadPlan | None, list[tuple[str, str]]]:
+def _planned(plan_load, index: CheckpointIndex) -> tuple[LoadPlan | None, list[Problem]]:
     """``plan_load(index)`` and its problems (an exception, or the plan's own)."""
     plan, problems = problems_of("planning", lambda: plan_load(index))
-    return plan, (problems if plan is None else [("PlanError", p) for p in plan.problems])
+    return plan, (problems if plan is None else [Problem(PlanError, p) for p in plan.problems])
 
 
 def _refused(source: str) -> str:
@@ -207,7 +208,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     module, engine = unwrap(model)
     path = os.fspath(path)
     if verify not in VERIFY:
-        raise ZloadError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY))}")
+        raise ArgumentValueError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY))}")
 
     def plan_load(index: CheckpointIndex) -> LoadPlan:
         targets = collect_targets(module, engine is not None)

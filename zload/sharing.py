@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digests
-from .distributed import BATCH_FAILED, BATCH_OK, collective, comm_device, exchange, problems_of, raise_for, rank_and_world
-from .errors import CheckpointError
+from .distributed import (BATCH_FAILED, BATCH_OK, Problem, collective, comm_device, exchange, problems_of, raise_for,
+                          rank_and_world)
+from .errors import CheckpointError, CheckpointNotFoundError, InvalidCheckpointError
 from .execute import DEFAULT_STAGING_BYTES, RangeReader, byte_view, reader_count
 from .files import FileTable, OpenFile
 from .index import CheckpointIndex, TensorEntry, open_checkpoint
@@ -71,7 +72,7 @@ class LocalView:
     # file key -> (SHA-256 of its header, fingerprint of its data: sampled, whole, or "" unchecked)
     digests: dict[str, tuple[str, str]] = field(default_factory=dict)
     known: list[str] = field(default_factory=list)  # the file keys the index lists
-    problems: list[tuple[str, str]] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
 
     @property
     def whole(self) -> bool:
@@ -166,7 +167,7 @@ def verify_fully(view: LocalView) -> None:
         digest = data_digest(blocks, block_count(f.data_start, f.identity.size))
         wrong = recorded_mismatch(f.path, f.metadata, digest)
         if wrong:
-            view.problems.append(("CheckpointError", wrong))
+            view.problems.append(Problem.of(InvalidCheckpointError(wrong, path=f.path)))
         view.digests[key] = (f.header_sha256, digest)
 
 
@@ -191,16 +192,17 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
     for key in keys:
         if not readers[key]:
             where = "missing on every node" if world > 1 else "it does not exist"
-            raise CheckpointError(f"{source}: '{key}' is part of the checkpoint but no rank can "
-                                  f"read it ({where})")
+            raise CheckpointNotFoundError(f"{source}: '{key}' is part of the checkpoint but no rank can "
+                                          f"read it ({where})", path=os.path.join(_root(source), key))
         copies: dict[tuple[str, str], list[int]] = {}
         for r in readers[key]:
             copies.setdefault(tuple(views[r][1][key]), []).append(r)
         if len(copies) > 1:
             differ = "headers" if len({h for h, _ in copies}) > 1 else "data (same headers)"
             groups = "; ".join(f"ranks {ranks}" for ranks in copies.values())
-            raise CheckpointError(f"{key}: the copies of this file differ in their {differ} between "
-                                  f"{groups}; every node must hold the same checkpoint")
+            raise InvalidCheckpointError(f"{key}: the copies of this file differ in their {differ} between "
+                                         f"{groups}; every node must hold the same checkpoint",
+                                         path=os.path.join(_root(source), key))
     lacking = [k for k in keys if len(readers[k]) < world]
     if not lacking:
         return SharedIndex(local, _root(source))
@@ -250,7 +252,7 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     wire = [(server, key(i.file), i.offset, i.nbytes, i.numel, i.src_dtype) for server, i in requests]
     everyone = exchange(wire)
     read = sent = received = 0
-    problems: list[tuple[str, str]] = []
+    problems: list[Problem] = []
     capacity = max(ALIGN * 2, staging_bytes // 2)
     outboxes = inboxes = None  # allocated once, when first needed; fresh ones would page-fault
     with RangeReader(shared.index.opened) as reader:  # its threads serve every batch read here
@@ -334,8 +336,8 @@ def _write_received(work, incoming: torch.Tensor, batch, server: int, dests: lis
     with collective():
         work.wait()
     if int(incoming[-1]) != BATCH_OK and not problems:
-        problems = [*problems, ("CheckpointError", f"rank {server} could not read the bytes this rank "
-                                                   f"lacks (see rank {server}'s problem)")]
+        problems = [*problems, Problem(CheckpointError, f"rank {server} could not read the bytes this rank "
+                                                        f"lacks (see rank {server}'s problem)")]
     if problems:
         return problems  # the load has failed: keep receiving, write no more
     segments = [Segment(start, getattr(torch, part.src_dtype), part.numel, part.target, part.dst_offset)
