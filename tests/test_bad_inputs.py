@@ -115,7 +115,7 @@ def test_bad_checkpoint_same_error_everywhere(tmp_path, world, corruption):
     assert len(set(results)) == 1, f"ranks disagree: {results}"
     kind, message = results[0]
     assert culprit in message and detail in message, message
-    assert kind == ("CheckpointError" if corruption in ("truncated", "lying_header") else "PlanError")
+    assert kind == ("InvalidCheckpointError" if corruption in ("truncated", "lying_header") else "PlanError")
 
 
 def test_shard_no_rank_can_read(tmp_path):
@@ -129,7 +129,7 @@ def test_shard_no_rank_can_read(tmp_path):
     results = run_world(3, _load_expecting_error, "ckpt", nodes, timeout=120)
     assert len(set(results)) == 1, f"ranks disagree: {results}"
     kind, message = results[0]
-    assert kind == "CheckpointError" and gone.name in message and "no rank can read" in message, message
+    assert kind == "CheckpointNotFoundError" and gone.name in message and "no rank can read" in message, message
 
 
 def test_node_copies_that_differ_are_refused(tmp_path):
@@ -141,7 +141,7 @@ def test_node_copies_that_differ_are_refused(tmp_path):
                         timeout=120)
     assert len(set(results)) == 1, f"ranks disagree: {results}"
     kind, message = results[0]
-    assert kind == "CheckpointError" and "differ" in message, message
+    assert kind == "InvalidCheckpointError" and "differ" in message, message
 
 
 def _load_with_a_key_map_failing_on(failing_rank, how, path):

@@ -46,7 +46,7 @@ def test_an_index_entry_outside_the_folder_fails_every_rank(tmp_path):
     index["weight_map"]["cube"] = "../other.safetensors"
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     kind, message = _same_error(run_world(2, _load_expecting_error, folder, timeout=60))
-    assert kind == "CheckpointError" and "'../other.safetensors'" in message and "'cube'" in message
+    assert kind == "InvalidCheckpointError" and "'../other.safetensors'" in message and "'cube'" in message
 
 
 def _node_copies(tmp_path, world, change_node1=None):
@@ -67,7 +67,7 @@ def test_deep_nesting_in_one_ranks_copy_fails_every_rank(tmp_path):
 
     nodes = _node_copies(tmp_path, 2, nest)
     kind, message = _same_error(run_world(2, _load_expecting_error, "ckpt", nodes, timeout=60))
-    assert kind == "CheckpointError" and "[rank 1]" in message and "nested too deeply" in message
+    assert kind == "InvalidCheckpointError" and "[rank 1]" in message and "nested too deeply" in message
     assert "model.safetensors.index.json" in message
 
 
@@ -105,7 +105,7 @@ def test_a_fifo_fails_every_rank_without_blocking(tmp_path, fifo):
         folder.mkdir()
     os.mkfifo(folder / fifo)
     kind, message = _same_error(run_world(2, _load_expecting_error, folder, timeout=60))
-    assert kind == "CheckpointError" and fifo in message and "is a FIFO" in message
+    assert kind == "InvalidCheckpointError" and fifo in message and "is a FIFO" in message
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def _flip_data(folder, tensor="cube", element=0):
 def test_node_copies_with_the_same_headers_but_other_data_are_refused(tmp_path, world):
     nodes = _node_copies(tmp_path, world, _flip_data)
     kind, message = _same_error(run_world(world, _load_expecting_error, "ckpt", nodes, timeout=60))
-    assert kind == "CheckpointError" and "differ in their data (same headers)" in message
+    assert kind == "InvalidCheckpointError" and "differ in their data (same headers)" in message
     assert f"ranks [0]; ranks {list(range(1, world))}" in message
 
 
@@ -204,7 +204,7 @@ def test_two_zload_saves_never_share_a_header(tmp_path):
             raw[1][8:int.from_bytes(raw[1][:8], "little")]
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     kind, message = _same_error(run_world(2, _load_expecting_error, "ckpt", nodes, timeout=60))
-    assert kind == "CheckpointError" and "differ in their headers" in message
+    assert kind == "InvalidCheckpointError" and "differ in their headers" in message
 
 
 def test_full_verification_catches_what_the_sample_does_not_look_at(tmp_path):
@@ -216,7 +216,7 @@ def test_full_verification_catches_what_the_sample_does_not_look_at(tmp_path):
     _flip_data(other, "cube", element=50_000)  # byte 200,000 of cube: between two windows
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     kind, message = _same_error(run_world(2, load_on_nodes, "ckpt", nodes, verify="full", timeout=60))
-    assert kind == "CheckpointError" and "differ in their data (same headers)" in message
+    assert kind == "InvalidCheckpointError" and "differ in their data (same headers)" in message
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -229,7 +229,7 @@ def test_full_verification_checks_the_digest_zload_save_recorded(tmp_path, world
     shard.write_bytes(raw)
     assert _same_error(run_world(world, load_on_nodes, tmp_path / "ckpt")) is None
     kind, message = _same_error(run_world(world, load_on_nodes, tmp_path / "ckpt", verify="full"))
-    assert kind == "CheckpointError" and f"{shard}: its data do not match the digest recorded" in message
+    assert kind == "InvalidCheckpointError" and f"{shard}: its data do not match the digest recorded" in message
 
 
 # --------------------------------------------------------------------------------------------

@@ -128,29 +128,29 @@ def test_uncached_revision_is_named(snapshot):
 
 
 def test_unknown_repo_offline_says_how_to_download(cache):
-    with pytest.raises(zload.CheckpointError) as info:
+    with pytest.raises(zload.CheckpointNotFoundError) as info:  # a FileNotFoundError too
         download("other-org/missing", None)
     message = str(info.value)
-    assert "other-org/missing" in message and "revision main" in message
+    assert info.value.path == "other-org/missing" and "revision main" in message
     assert "HF_HUB_OFFLINE=1 is set" in message and "`hf download other-org/missing`" in message
 
 
 def test_local_path_with_revision_is_refused(tmp_path):
     save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(zload.CheckpointError, match="revision='main' applies to Hub repo ids only"):
+    with pytest.raises(zload.ArgumentValueError, match="revision='main' applies to Hub repo ids only"):
         zload.load_into(torch.nn.Module(), tmp_path, revision="main")
 
 
 @pytest.mark.parametrize("path", ["a/b/c/d", "no--such", "./missing.safetensors"])
 def test_missing_path_that_is_no_repo_id(cache, path):
-    with pytest.raises(zload.CheckpointError,
+    with pytest.raises(zload.CheckpointNotFoundError,
                        match="no such file or directory, and not a valid Hub repo id"):
         zload.load_into(torch.nn.Module(), path)
 
 
 def test_without_huggingface_hub(monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
-    with pytest.raises(zload.CheckpointError, match="install huggingface_hub"):
+    with pytest.raises(zload.CheckpointNotFoundError, match="install huggingface_hub"):
         download(REPO, None)
 
 

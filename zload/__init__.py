@@ -5,8 +5,9 @@ Each rank reads (or writes) only the bytes of the partitions it owns; nothing is
 
 import logging
 
-from .errors import CheckpointError, PeerLostError, PlanError, ZloadError, ZloadWarning
 from .checkpoint import open_checkpoint
+from .errors import (ArgumentTypeError, ArgumentValueError, CheckpointError, CheckpointNotFoundError,
+                     InvalidCheckpointError, PeerLostError, PlanError, ZloadError, ZloadWarning)
 from .index import CheckpointIndex
 from .building import init
 from .load import load_into
@@ -20,4 +21,5 @@ __version__ = "0.1.0"
 logging.getLogger("zload").addHandler(logging.NullHandler())
 
 __all__ = ["load_into", "save", "init", "open_checkpoint", "CheckpointIndex", "KeyMap", "LoadReport", "SaveReport",
-           "ZloadError", "CheckpointError", "PlanError", "PeerLostError", "ZloadWarning", "__version__"]
+           "ZloadError", "CheckpointError", "CheckpointNotFoundError", "InvalidCheckpointError", "PlanError",
+           "ArgumentValueError", "ArgumentTypeError", "PeerLostError", "ZloadWarning", "__version__"]

@@ -18,8 +18,9 @@ import warnings
 from dataclasses import dataclass, field
 
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digests
-from .distributed import agree, exchange, problems_of, raise_for, rank_and_world, reduce_max
-from .errors import CheckpointError, ZloadWarning
+from .distributed import Problem, agree, exchange, problems_of, raise_for, rank_and_world, reduce_max
+from .errors import (ArgumentValueError, CheckpointError, CheckpointNotFoundError, InvalidCheckpointError, PlanError,
+                     ZloadWarning)
 from .execute import reader_count
 from .files import FileTable, OpenFile, open_regular, refuse_irregular, stat_path
 from .hub import download
@@ -32,7 +33,7 @@ def _start_file(path: str) -> str:
     ``from_pretrained`` looks for come first, in its order (``model.safetensors``, then the index)."""
     st = stat_path(path) if os.path.lexists(path) else None
     if st is None:
-        raise CheckpointError(f"{path}: no such file or directory")
+        raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
     if not stat.S_ISDIR(st.st_mode):
         refuse_irregular(path, st)
         return path
@@ -45,15 +46,16 @@ def _start_file(path: str) -> str:
     try:
         listing = sorted(os.listdir(path))
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot list: {e.strerror}") from e
+        raise CheckpointError(f"{path}: cannot list: {e.strerror}", path=path) from e
     indexes = [n for n in listing if n.endswith(".safetensors.index.json")]
     singles = [n for n in listing if n.endswith(".safetensors")]
     if len(indexes) == 1:
         return os.path.join(path, indexes[0])
     if not indexes and len(singles) == 1:
         return os.path.join(path, singles[0])
-    raise CheckpointError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
-                          f"{', '.join(indexes + singles) or 'no safetensors files'}")
+    raise (InvalidCheckpointError if indexes + singles else CheckpointNotFoundError)(  # ambiguous, or none
+        f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
+        f"{', '.join(indexes + singles) or 'no safetensors files'}", path=path)
 
 
 def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> CheckpointIndex:
@@ -88,8 +90,8 @@ def open_source(path: str | os.PathLike, revision: str | None = None) -> Checkpo
 
 def _no_revision(path: str, revision: str | None) -> None:
     if revision is not None:
-        raise CheckpointError(f"{path}: revision={revision!r} applies to Hub repo ids only, and "
-                              f"this is a local path; drop revision= or pass the repo id")
+        raise ArgumentValueError(f"{path}: revision={revision!r} applies to Hub repo ids only, and "
+                                 f"this is a local path; drop revision= or pass the repo id", path=path)
 
 
 @dataclass
@@ -129,7 +131,7 @@ class LocalView:
     # file key -> (SHA-256 of its header, fingerprint of its data: sampled, whole, or "" unchecked)
     digests: dict[str, tuple[str, str]] = field(default_factory=dict)
     known: list[str] = field(default_factory=list)  # the file keys the index lists
-    problems: list[tuple[str, str]] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
 
     @property
     def whole(self) -> bool:
@@ -222,7 +224,7 @@ def verify_fully(view: LocalView) -> None:
         digest = data_digest(blocks, block_count(f.data_start, f.identity.size))
         wrong = recorded_mismatch(f.path, f.metadata, digest)
         if wrong:
-            view.problems.append(("CheckpointError", wrong))
+            view.problems.append(Problem.of(InvalidCheckpointError(wrong, path=f.path)))
         view.digests[key] = (f.header_sha256, digest)
 
 
@@ -244,19 +246,21 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
 
     keys = sorted(set().union(*(set(v[2]) for v in views)))
     readers = {k: [r for r, v in enumerate(views) if k in v[1]] for k in keys}
+    root = local.root if local else _root(source)
     for key in keys:
         if not readers[key]:
             where = "missing on every node" if world > 1 else "it does not exist"
-            raise CheckpointError(f"{source}: '{key}' is part of the checkpoint but no rank can "
-                                  f"read it ({where})")
+            raise CheckpointNotFoundError(f"{source}: '{key}' is part of the checkpoint but no rank can "
+                                          f"read it ({where})", path=os.path.join(root, key))
         copies: dict[tuple[str, str], list[int]] = {}
         for r in readers[key]:
             copies.setdefault(tuple(views[r][1][key]), []).append(r)
         if len(copies) > 1:
             differ = "headers" if len({h for h, _ in copies}) > 1 else "data (same headers)"
             groups = "; ".join(f"ranks {ranks}" for ranks in copies.values())
-            raise CheckpointError(f"{key}: the copies of this file differ in their {differ} between "
-                                  f"{groups}; every node must hold the same checkpoint")
+            raise InvalidCheckpointError(f"{key}: the copies of this file differ in their {differ} between "
+                                         f"{groups}; every node must hold the same checkpoint",
+                                         path=os.path.join(root, key))
     lacking = [k for k in keys if len(readers[k]) < world]
     if not lacking:
         return SharedIndex(local)
@@ -274,15 +278,15 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
                 tensors[name] = TensorEntry(name, key, dtype, tuple(shape), start, nbytes)
     index = CheckpointIndex(local.source if local else source, tuple(keys), tensors,
                             opened=local.opened if local else FileTable(),
-                            root=local.root if local else _root(source))
+                            root=root)
     remote = frozenset(k for k in lacking if rank not in readers[k])
     return SharedIndex(index, {k: readers[k] for k in lacking}, remote)
 
 
-def _planned(plan_load, index: CheckpointIndex) -> tuple[LoadPlan | None, list[tuple[str, str]]]:
+def _planned(plan_load, index: CheckpointIndex) -> tuple[LoadPlan | None, list[Problem]]:
     """``plan_load(index)`` and its problems (an exception, or the plan's own)."""
     plan, problems = problems_of("planning", lambda: plan_load(index))
-    return plan, (problems if plan is None else [("PlanError", p) for p in plan.problems])
+    return plan, (problems if plan is None else [Problem(PlanError, p) for p in plan.problems])
 
 
 def _refused(source: str) -> str:

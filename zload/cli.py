@@ -6,8 +6,8 @@
 
 PATH is what ``load_into`` takes: a file, an index, a folder, or a Hub repo id (``--revision``),
 found the same way (``checkpoint.open_source``). Every command validates the checkpoint exactly as
-``load_into`` does (every header is read and checked, no tensor data). A bad checkpoint prints ``zload: error: ...`` with
-the file and tensor at fault and exits 2, without a traceback; ``validate`` exits 1 instead, so a
+``load_into`` does (every header is read and checked, no tensor data). A bad checkpoint prints
+``zload: error: ...`` with the file and tensor at fault and exits 2, without a traceback; ``validate`` exits 1 instead, so a
 CI script can tell "invalid checkpoint" from "bad command line". Each command builds one plain
 dict, which ``--json`` prints as is and the text output renders, so the two cannot disagree.
 """
@@ -24,7 +24,7 @@ from collections import Counter
 from . import __version__
 from .checkpoint import open_source
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch
-from .errors import CheckpointError, ZloadError
+from .errors import InvalidCheckpointError, ZloadError
 from .execute import reader_count
 from .index import CheckpointIndex
 from .targets import Partition
@@ -228,7 +228,7 @@ def _check_recorded_digests(index: CheckpointIndex) -> tuple[int, int]:
                                            range(count), reader_count()), count)
         wrong = recorded_mismatch(opened.path, opened.metadata, digest)
         if wrong:
-            raise CheckpointError(wrong)
+            raise InvalidCheckpointError(wrong, path=opened.path)
         checked += 1
     return checked, len(index.files) - checked
 

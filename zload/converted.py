@@ -53,7 +53,7 @@ def load_converted(plan: LoadPlan, dests: list[torch.Tensor], shared: SharedInde
         candidates = shared.ranks_reading({e.file for e in source.entries})
         if not candidates:
             raise ZloadError(f"zload: no single rank can read all of {list(source.names)} (they lie on "
-                             f"different nodes), which converting '{target.name}' needs")
+                             f"different nodes), which converting '{target.name}' needs", tensor=target.name)
         reader = candidates[conversions.setdefault(source.names, len(conversions)) % len(candidates)]
         tensor, problems = None, []
         if rank == reader:

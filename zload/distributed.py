@@ -12,6 +12,7 @@ import logging
 import traceback
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -93,40 +94,62 @@ def reduce_max(values: list[int]) -> list[int]:
     return tensor.tolist()
 
 
-def agree(problems: list[tuple[str, str]], what: str) -> None:
-    """Raise on every rank if any rank has problems; ``problems`` holds (error class, message)."""
+@dataclass(frozen=True)
+class Problem:
+    """Why one rank cannot go on, as it travels to the others: the class, message and fields of
+    the ``ZloadError`` it raised (or would raise), which ``raise_for`` rebuilds on every rank."""
+
+    kind: type[errors.ZloadError]
+    message: str
+    fields: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, error: errors.ZloadError) -> Problem:
+        return cls(type(error), str(error), error.fields)
+
+
+def agree(problems: list[Problem], what: str) -> None:
+    """Raise on every rank if any rank has problems."""
     if reduce_max([len(problems)])[0]:
         raise_for(exchange(problems), what)
 
 
-def raise_for(gathered: list[list[tuple[str, str]]], what: str) -> None:
+# ``raise_for`` raises the error of the first problem (in rank order) of the first of these classes
+# that any rank reported: a checkpoint problem explains plan problems that follow from it.
+_PRECEDENCE = (errors.CheckpointError, errors.PlanError, errors.ZloadError)
+
+
+def raise_for(gathered: list[list[Problem]], what: str) -> None:
     """Raise if any rank's list of problems (``gathered``, in rank order) is not empty.
 
-    The error is the most specific class any rank reported; its message lists every problem once,
-    prefixed by the ranks that saw it when not all ranks did.
+    The message lists every problem once, prefixed by the ranks that saw it when not all ranks
+    did. The error is that of one problem: the first checkpoint problem in rank order, else the
+    first plan problem, else the first problem; it has that problem's class and fields, and
+    ``ranks``, the ranks that reported it.
     """
-    seen: dict[tuple[str, str], list[int]] = {}
+    seen: dict[tuple[type, str], tuple[Problem, list[int]]] = {}
     for r, rank_problems in enumerate(gathered):
         for problem in rank_problems:
-            seen.setdefault(tuple(problem), []).append(r)
+            ranks = seen.setdefault((problem.kind, problem.message), (problem, []))[1]
+            if r not in ranks:
+                ranks.append(r)
     if not seen:
         return
     lines = []
-    for (_, message), ranks in seen.items():
+    for problem, ranks in seen.values():
         prefix = "" if len(ranks) == len(gathered) else f"[rank {', '.join(map(str, ranks))}] "
-        lines.append(f"  - {prefix}{message}")
-    classes = {cls for cls, _ in seen}
-    cls = next((getattr(errors, c) for c in ("CheckpointError", "PlanError") if c in classes),
-               errors.ZloadError)
-    raise cls(f"{what}:\n" + "\n".join(lines))
+        lines.append(f"  - {prefix}{problem.message}")
+    chosen, ranks = next(reported for cls in _PRECEDENCE for reported in seen.values()
+                         if issubclass(reported[0].kind, cls))
+    raise chosen.kind(f"{what}:\n" + "\n".join(lines), **chosen.fields, ranks=tuple(ranks))
 
 
-def problems_of(doing: str, call) -> tuple[object, list[tuple[str, str]]]:
+def problems_of(doing: str, call) -> tuple[object, list[Problem]]:
     """Run ``call``; turn any exception into problems so every rank can still reach ``agree``."""
     try:
         return call(), []
     except errors.ZloadError as e:
-        return None, [(type(e).__name__, str(e))]
+        return None, [Problem.of(e)]
     except Exception as e:  # a bug or an environment error must not leave other ranks hanging
         logger.error("zload: unexpected error while %s:\n%s", doing, traceback.format_exc())
-        return None, [("ZloadError", f"unexpected error while {doing}: {type(e).__name__}: {e}")]
+        return None, [Problem(errors.ZloadError, f"unexpected error while {doing}: {type(e).__name__}: {e}")]

@@ -1,8 +1,16 @@
 """zload's exceptions.
 
 Every error a user can trigger with a bad checkpoint or a bad call is a ``ZloadError``, so that a
-trainer can catch one type; the subclasses say which stage refused.
+trainer can catch one type; the subclasses say which stage refused. Where an error means what a
+built-in exception means, it is one too (a missing file is a ``FileNotFoundError``, a bad header a
+``ValueError``), so that code written for the built-in catches it.
+
+Every ``ZloadError`` has the fields ``path``, ``tensor`` and ``ranks``, each None when unknown. An
+error the ranks agreed on (one rank's problem raised on all) is raised on every rank with the
+class and fields of the rank that reported it, and ``ranks`` naming the ranks that did.
 """
+
+from __future__ import annotations
 
 
 class ZloadWarning(UserWarning):
@@ -10,7 +18,23 @@ class ZloadWarning(UserWarning):
 
 
 class ZloadError(Exception):
-    """Base class of every error zload raises on purpose."""
+    """Base class of every error zload raises on purpose.
+
+    ``path``: the file or folder at fault; ``tensor``: the tensor at fault (as the checkpoint names
+    it); ``ranks``: the ranks that reported the error, when the ranks agreed on it.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None,
+                 ranks: tuple[int, ...] | None = None):
+        super().__init__(message)
+        self.path = path
+        self.tensor = tensor
+        self.ranks = ranks
+
+    @property
+    def fields(self) -> dict:
+        """The keyword arguments, ``ranks`` aside, that rebuild this error on another rank."""
+        return {"path": self.path, "tensor": self.tensor}
 
 
 class CheckpointError(ZloadError):
@@ -20,11 +44,32 @@ class CheckpointError(ZloadError):
     """
 
 
-class PlanError(ZloadError):
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint, or a file it lists, does not exist (``filename`` is ``path``)."""
+
+    @property
+    def filename(self) -> str | None:  # FileNotFoundError's name for the path
+        return self.path
+
+
+class InvalidCheckpointError(CheckpointError, ValueError):
+    """A checkpoint file or index breaks the safetensors format, contradicts itself or another
+    copy of the checkpoint, or does not match the digest recorded when it was saved."""
+
+
+class PlanError(ZloadError, ValueError):
     """The checkpoint and the model do not fit together (shapes, dtypes, coverage).
 
     Raised identically on every rank, before a single byte of the model is written.
     """
+
+
+class ArgumentValueError(ZloadError, ValueError):
+    """An argument of a zload call has a value zload cannot use."""
+
+
+class ArgumentTypeError(ZloadError, TypeError):
+    """An argument of a zload call is of a type zload cannot use."""
 
 
 class PeerLostError(ZloadError):
@@ -34,6 +79,10 @@ class PeerLostError(ZloadError):
     The communication backend's own error is the ``__cause__``.
     """
 
-    def __init__(self, message: str, *, stage: str):
-        super().__init__(message)
+    def __init__(self, message: str, *, stage: str, **fields):
+        super().__init__(message, **fields)
         self.stage = stage
+
+    @property
+    def fields(self) -> dict:
+        return {**super().fields, "stage": self.stage}

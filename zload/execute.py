@@ -69,10 +69,11 @@ def _read_run(run: _Run) -> int:
         try:
             got = os.preadv(run.opened.fd, buffers, offset)
         except OSError as e:
-            raise CheckpointError(f"{run.opened.path}: read failed at byte {offset}: {e.strerror}") from e
+            raise CheckpointError(f"{run.opened.path}: read failed at byte {offset}: {e.strerror}",
+                                  path=run.opened.path) from e
         if got == 0:
             raise CheckpointError(f"{run.opened.path}: unexpected end of file at byte {offset} "
-                                  "(was the file changed during the load?)")
+                                  "(was the file changed during the load?)", path=run.opened.path)
         offset += got
         while buffers and got >= len(buffers[0]):
             got -= len(buffers[0])

@@ -14,7 +14,7 @@ import stat
 import weakref
 from dataclasses import dataclass, field
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, InvalidCheckpointError
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,15 @@ def _kind(mode: int) -> str:
 def refuse_irregular(path: str, st: os.stat_result) -> None:
     """Raise unless ``st`` (of ``path``, links followed) is a regular file."""
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: is {_kind(st.st_mode)}, not a regular file; a checkpoint "
-                              "file must be a regular file (or a link to one)")
+        raise InvalidCheckpointError(f"{path}: is {_kind(st.st_mode)}, not a regular file; a checkpoint "
+                                     "file must be a regular file (or a link to one)", path=path)
+
+
+def _failed(path: str, doing: str, e: Exception) -> CheckpointError:
+    """``e``, raised ``doing`` something to ``path``, as a ``CheckpointError`` naming ``path`` (a
+    ``CheckpointNotFoundError`` when there is no such file)."""
+    kind = CheckpointNotFoundError if isinstance(e, FileNotFoundError) else CheckpointError
+    return kind(f"{path}: {doing}: {getattr(e, 'strerror', None) or e}", path=path)
 
 
 def stat_path(path: str) -> os.stat_result:
@@ -52,7 +59,7 @@ def stat_path(path: str) -> os.stat_result:
     try:
         return os.stat(path)
     except (OSError, ValueError) as e:  # ValueError: a NUL or an unencodable character in the name
-        raise CheckpointError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from e
+        raise _failed(path, "cannot read", e) from e
 
 
 @dataclass
@@ -84,7 +91,7 @@ def open_regular(path: str) -> OpenFile:
     try:  # O_NONBLOCK: should a FIFO have taken the file's place since the stat, open returns
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot open: {e.strerror}") from e
+        raise _failed(path, "cannot open", e) from e
     try:
         st = os.fstat(fd)
         refuse_irregular(path, st)
@@ -125,7 +132,7 @@ class FileTable:
     def get(self, key: str) -> OpenFile:
         opened = self.files.get(key)
         if opened is None:
-            raise CheckpointError(f"{key}: not among the files whose headers this rank read")
+            raise CheckpointError(f"{key}: not among the files whose headers this rank read", path=key)
         return opened
 
     def check_unchanged(self, keys) -> None:
@@ -135,7 +142,7 @@ class FileTable:
             change = opened.change()
             if change:
                 raise CheckpointError(f"{opened.path}: {change}; the bytes read from it cannot be trusted. "
-                                      "Do not modify a checkpoint while it is being loaded")
+                                      "Do not modify a checkpoint while it is being loaded", path=opened.path)
 
     def close(self) -> None:
         self.files.clear()

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
-from .distributed import agree, rank_and_world
-from .errors import CheckpointError
+from .distributed import Problem, agree, rank_and_world
+from .errors import CheckpointError, CheckpointNotFoundError
 
 logger = logging.getLogger("zload")
 
@@ -30,22 +30,23 @@ def download(path: str, revision: str | None) -> str:
         from huggingface_hub import snapshot_download
         from huggingface_hub.utils import validate_repo_id
     except ImportError:
-        raise CheckpointError(f"{path}: no such file or directory (to load it as a Hub repo id, "
-                              f"install huggingface_hub)") from None
+        raise CheckpointNotFoundError(f"{path}: no such file or directory (to load it as a Hub repo id, "
+                                      f"install huggingface_hub)", path=path) from None
     try:
         validate_repo_id(path)
     except ValueError:
-        raise CheckpointError(f"{path}: no such file or directory, and not a valid Hub repo id "
-                              f"('name' or 'org/name')") from None
+        raise CheckpointNotFoundError(f"{path}: no such file or directory, and not a valid Hub repo id "
+                                      f"('name' or 'org/name')", path=path) from None
 
-    problems: list[tuple[str, str]] = []
+    problems: list[Problem] = []
 
     def fetch(local_files_only: bool) -> str | None:
         try:
             return snapshot_download(path, revision=revision, allow_patterns=ALLOW_PATTERNS,
                                      local_files_only=local_files_only)
         except Exception as e:  # every failure becomes one agreed CheckpointError
-            problems.append(("CheckpointError", _explain(e, path, revision, local_files_only)))
+            kind = CheckpointNotFoundError if _not_found(e) else CheckpointError
+            problems.append(Problem.of(kind(_explain(e, path, revision, local_files_only), path=path)))
             return None
 
     _, world = rank_and_world()
@@ -95,3 +96,12 @@ def _explain(e: Exception, repo: str, revision: str | None, local_files_only: bo
     if isinstance(e, hf.HfHubHTTPError):
         return f"the Hub refused the download ({e}); retry, or check access to the repo"
     return f"{type(e).__name__}: {e}"
+
+
+def _not_found(e: Exception) -> bool:
+    """Whether ``e`` says the repo, revision or files are not there: on the Hub, or (offline) in
+    the cache. A gated repo is there."""
+    from huggingface_hub import utils as hf
+
+    return (isinstance(e, (FileNotFoundError, hf.RepositoryNotFoundError, hf.RevisionNotFoundError))
+            and not isinstance(e, hf.GatedRepoError))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Mapping
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, InvalidCheckpointError
 from .files import FileTable, OpenFile, open_regular
 
 # safetensors dtype code -> (torch dtype attribute name, bytes per element)
@@ -157,8 +157,8 @@ def _is_u64(value) -> bool:
 
 
 def _parse_entry(path: str, key: str, name: str, raw, data_start: int) -> TensorEntry:
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: tensor {_brief(name)}: {why}")
+    def bad(why: str) -> InvalidCheckpointError:
+        return InvalidCheckpointError(f"{path}: tensor {_brief(name)}: {why}", path=path, tensor=name)
 
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
         raise bad(f"header entry must have exactly dtype, shape and data_offsets, got {_brief(raw)}")
@@ -190,10 +190,10 @@ def _pread_exactly(opened: OpenFile, nbytes: int, offset: int) -> bytes:
     try:
         data = os.pread(opened.fd, nbytes, offset)
     except OSError as e:
-        raise CheckpointError(f"{opened.path}: cannot read: {e.strerror}") from e
+        raise CheckpointError(f"{opened.path}: cannot read: {e.strerror}", path=opened.path) from e
     if len(data) != nbytes:
         raise CheckpointError(f"{opened.path}: ends at byte {offset + len(data)} while reading "
-                              f"{nbytes} bytes at {offset} (changed while being read?)")
+                              f"{nbytes} bytes at {offset} (changed while being read?)", path=opened.path)
     return data
 
 
@@ -203,14 +203,14 @@ def parse_header(opened: OpenFile, key: str) -> dict[str, TensorEntry]:
     ``opened``."""
     path, file_size = opened.path, opened.identity.size
     if file_size < 8:
-        raise CheckpointError(f"{path}: file is {file_size} bytes, too short to be safetensors")
+        raise InvalidCheckpointError(f"{path}: file is {file_size} bytes, too short to be safetensors", path=path)
     (header_len,) = struct.unpack("<Q", _pread_exactly(opened, 8, 0))
     if header_len > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{path}: header length {header_len} exceeds the "
-                              f"{MAX_HEADER_BYTES}-byte limit of the safetensors format")
+        raise InvalidCheckpointError(f"{path}: header length {header_len} exceeds the "
+                                     f"{MAX_HEADER_BYTES}-byte limit of the safetensors format", path=path)
     if 8 + header_len > file_size:
-        raise CheckpointError(f"{path}: header length {header_len} runs past the end of the "
-                              f"{file_size}-byte file (truncated?)")
+        raise InvalidCheckpointError(f"{path}: header length {header_len} runs past the end of the "
+                                     f"{file_size}-byte file (truncated?)", path=path)
     header_bytes = _pread_exactly(opened, header_len, 8)
 
     try:
@@ -219,14 +219,14 @@ def parse_header(opened: OpenFile, key: str) -> dict[str, TensorEntry]:
             raise ValueError("header does not start with '{'")
         header = _strict_json(text, "header")
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CheckpointError(f"{path}: header is not valid JSON: {e}") from e
+        raise InvalidCheckpointError(f"{path}: header is not valid JSON: {e}", path=path) from e
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
+        raise InvalidCheckpointError(f"{path}: header is not a JSON object", path=path)
 
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (isinstance(metadata, dict)
                                      and all(isinstance(v, str) for v in metadata.values())):
-        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
+        raise InvalidCheckpointError(f"{path}: __metadata__ must map strings to strings", path=path)
 
     data_start = 8 + header_len
     entries = {name: _parse_entry(path, key, name, raw, data_start) for name, raw in header.items()}
@@ -236,15 +236,15 @@ def parse_header(opened: OpenFile, key: str) -> dict[str, TensorEntry]:
     for entry in sorted(entries.values(), key=lambda e: (e.start, e.nbytes)):
         if entry.start != cursor:
             where = f"overlaps '{previous}'" if entry.start < cursor else "leaves a gap before it"
-            raise CheckpointError(f"{path}: tensor {_brief(entry.name)} at data offset "
-                                  f"{entry.start - data_start} {where}")
+            raise InvalidCheckpointError(f"{path}: tensor {_brief(entry.name)} at data offset "
+                                         f"{entry.start - data_start} {where}", path=path, tensor=entry.name)
         cursor, previous = entry.start + entry.nbytes, entry.name
     if cursor != file_size:
         if cursor > file_size:
-            raise CheckpointError(f"{path}: tensor {_brief(previous)} ends at byte {cursor} but the file "
-                                  f"has only {file_size} bytes (truncated?)")
-        raise CheckpointError(f"{path}: {file_size - cursor} bytes after the last tensor are not "
-                              f"described by the header")
+            raise InvalidCheckpointError(f"{path}: tensor {_brief(previous)} ends at byte {cursor} but the "
+                                         f"file has only {file_size} bytes (truncated?)", path=path, tensor=previous)
+        raise InvalidCheckpointError(f"{path}: {file_size - cursor} bytes after the last tensor are not "
+                                     f"described by the header", path=path)
     opened.header_sha256 = hashlib.sha256(header_bytes).hexdigest()
     opened.data_start = data_start
     opened.metadata = dict(metadata or {})
@@ -262,15 +262,16 @@ def read_header(path: str) -> dict[str, TensorEntry]:
 def read_weight_map(index_path: str, table: FileTable) -> dict[str, str]:
     opened = table.add(open_regular(index_path), os.path.basename(index_path))
     if opened.identity.size > MAX_INDEX_BYTES:
-        raise CheckpointError(f"{index_path}: {opened.identity.size} bytes, over the "
-                              f"{MAX_INDEX_BYTES}-byte limit zload sets for an index file")
+        raise InvalidCheckpointError(f"{index_path}: {opened.identity.size} bytes, over the "
+                                     f"{MAX_INDEX_BYTES}-byte limit zload sets for an index file", path=index_path)
     try:
         weight_map = _strict_json(_pread_exactly(opened, opened.identity.size, 0).decode("utf-8"),
                                   "index").get("weight_map")
     except (ValueError, AttributeError) as e:
-        raise CheckpointError(f"{index_path}: not a valid index file: {e}") from e
+        raise InvalidCheckpointError(f"{index_path}: not a valid index file: {e}", path=index_path) from e
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
+        raise InvalidCheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names",
+                                     path=index_path)
     return weight_map
 
 
@@ -299,8 +300,9 @@ def index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) -
         paths[shard] = shard_path(folder, shard)
         if paths[shard] is None:
             tensor = next(name for name, s in weight_map.items() if s == shard)
-            raise CheckpointError(f"{index_path}: tensor {_brief(tensor)} is mapped to {_brief(shard)}, which is "
-                                  f"not a file inside the checkpoint folder {folder}")
+            raise InvalidCheckpointError(f"{index_path}: tensor {_brief(tensor)} is mapped to {_brief(shard)}, "
+                                         f"which is not a file inside the checkpoint folder {folder}",
+                                         path=index_path, tensor=tensor)
     tensors: dict[str, TensorEntry] = {}
     absent: set[str] = set()  # shard names
     for shard in shards:
@@ -310,22 +312,24 @@ def index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) -
             if missing_ok:
                 absent.add(shard)
                 continue
-            raise CheckpointError(f"{paths[shard]}: shard listed in {index_path} does not exist") from None
+            raise CheckpointNotFoundError(f"{paths[shard]}: shard listed in {index_path} does not exist",
+                                          path=paths[shard]) from None
         except OSError:
             pass  # open_regular names the problem
         key = os.path.relpath(paths[shard], folder)
         for name, entry in parse_header(table.add(open_regular(paths[shard]), key), key).items():
             if name in tensors:
-                raise CheckpointError(f"{paths[shard]}: tensor {_brief(name)} also appears in "
-                                      f"{os.path.join(folder, tensors[name].file)}")
+                raise InvalidCheckpointError(f"{paths[shard]}: tensor {_brief(name)} also appears in "
+                                             f"{os.path.join(folder, tensors[name].file)}", path=paths[shard],
+                                             tensor=name)
             if weight_map.get(name) != shard:
-                raise CheckpointError(f"{paths[shard]}: tensor {_brief(name)} is not listed for this shard "
-                                      f"in {index_path}")
+                raise InvalidCheckpointError(f"{paths[shard]}: tensor {_brief(name)} is not listed for this "
+                                             f"shard in {index_path}", path=paths[shard], tensor=name)
             tensors[name] = entry
     for name, shard in weight_map.items():
         if name not in tensors and shard not in absent:
-            raise CheckpointError(f"{paths[shard]}: tensor {_brief(name)} listed in {index_path} is not in "
-                                  f"the shard")
+            raise InvalidCheckpointError(f"{paths[shard]}: tensor {_brief(name)} listed in {index_path} is not "
+                                         f"in the shard", path=paths[shard], tensor=name)
     key = {shard: os.path.relpath(paths[shard], folder) for shard in shards}
     return CheckpointIndex(index_path, tuple(key[s] for s in shards), tensors,
                            tuple(key[s] for s in sorted(absent)), table, folder)

@@ -18,7 +18,7 @@ from .checkpoint import SharedIndex, open_agreed
 from .collector import collector_paused
 from .converted import load_converted
 from .distributed import agree, collective, problems_of, rank_and_world, stage
-from .errors import PeerLostError, ZloadError, ZloadWarning
+from .errors import ArgumentValueError, PeerLostError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .index import CheckpointIndex
 from .building import is_unloaded, mark_loaded
@@ -149,7 +149,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     module, engine = unwrap(model)
     path = os.fspath(path)
     if verify not in VERIFY:
-        raise ZloadError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY))}")
+        raise ArgumentValueError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY))}")
 
     def plan_load(index: CheckpointIndex) -> LoadPlan:
         targets = collect_targets(module, engine is not None)

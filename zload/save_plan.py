@@ -15,7 +15,7 @@ from math import prod
 import torch
 
 from .digest import DIGEST_KEY, DIGEST_PLACEHOLDER
-from .errors import ZloadError
+from .errors import ArgumentValueError, ZloadError
 from .index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
 from .integrations.peft import peft_info, peft_role
 from .integrations.transformers import revert_conversion, transformers_model
@@ -63,7 +63,7 @@ def parse_size(size: int | str) -> int:
         return size
     match_ = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", size.upper())
     if not match_:
-        raise ZloadError(f"max_shard_size={size!r}: expected bytes or a size like '5GB' or '500MiB'")
+        raise ArgumentValueError(f"max_shard_size={size!r}: expected bytes or a size like '5GB' or '500MiB'")
     number, unit, binary = match_.groups()
     base = 1024 if binary else 1000
     return int(float(number) * base ** " KMGT".index(unit or " "))

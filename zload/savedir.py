@@ -91,11 +91,11 @@ def check_target(final: str) -> None:
         return
     if os.path.islink(final) and not os.path.exists(final):
         raise ZloadError(f"{final} is a symbolic link to {os.readlink(final)}, which does not exist; "
-                         "pass a folder (or a link to one)")
+                         "pass a folder (or a link to one)", path=final)
     if not os.path.isdir(final):
         kind = "a file" if os.path.isfile(final) else "not a folder"
         raise ZloadError(f"{final} is {kind}; zload.save writes a folder of files "
-                         "(model.safetensors or shards, an index, config.json): pass a folder path")
+                         "(model.safetensors or shards, an index, config.json): pass a folder path", path=final)
 
 
 def _referenced(folder: str, single: str) -> tuple[set[str], set[str]]:
@@ -255,7 +255,7 @@ class SaveFolder:
                     raise ZloadError(f"another zload.save into {self.final} is running ("
                                      f"{lines[1] if len(lines) > 1 else 'unknown process'}); two "
                                      "saves into one folder would replace each other's files. Wait "
-                                     "for it, or save elsewhere")
+                                     "for it, or save elsewhere", path=self.final)
             finally:
                 os.close(fd)  # releases the lock if this took it
 
@@ -307,7 +307,8 @@ class SaveFolder:
             _remove(self.final, {single: None})
             if os.path.lexists(os.path.join(self.final, single)):
                 raise ZloadError(f"cannot remove {os.path.join(self.final, single)}, which readers "
-                                 "would load instead of the new checkpoint's index")
+                                 "would load instead of the new checkpoint's index",
+                                 path=os.path.join(self.final, single))
         self.committed = True
         _fsync_dir(self.final)
 

@@ -14,13 +14,14 @@ import os
 import secrets
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 
 from . import save_plan, writer
 from .collector import collector_paused
 from .distributed import agree, exchange, problems_of, rank_and_world, stage
-from .errors import ZloadError, ZloadWarning
+from .errors import ArgumentTypeError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES
 from .report import SaveReport
 from .savedir import LOCK, STAGING_PREFIX, SaveFolder
@@ -59,7 +60,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
 
     def plan_save():
         if master_weights and engine is None:
-            raise ZloadError("master_weights=True needs the DeepSpeedEngine, not its module")
+            raise ArgumentTypeError("master_weights=True needs the DeepSpeedEngine, not its module")
         return save_plan.make_save_plan(module, collect_targets(module, live_engine=True),
                                         torch.float32 if master_weights and dtype is None else dtype,
                                         max_shard_size, rank, world)
@@ -101,7 +102,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                                       lambda: rank == 0 and writer.publish(folder, module, plan.single, files))
             if problems:  # rank 0's: say what the folder holds now
                 outcome = folder.abort()
-                problems = [(cls, f"{message} ({outcome})") for cls, message in problems]
+                problems = [replace(p, message=f"{p.message} ({outcome})") for p in problems]
             agree(problems, f"zload: saving to {final} failed while putting the new files in place")
     except BaseException:
         if rank == 0:

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import SharedIndex
-from .distributed import BATCH_FAILED, BATCH_OK, collective, comm_device, exchange, problems_of, rank_and_world
+from .distributed import BATCH_FAILED, BATCH_OK, Problem, collective, comm_device, exchange, problems_of, rank_and_world
+from .errors import CheckpointError
 from .execute import DEFAULT_STAGING_BYTES, RangeReader, byte_view
 from .kernels import Segment, scatter_cast
 from .plan import ALIGN, ReadItem, staging_batches
@@ -43,7 +44,7 @@ def fetch_remote(shared: SharedIndex, items: list[ReadItem], dests: list[torch.T
     wire = [(server, i.file, i.offset, i.nbytes, i.numel, i.src_dtype) for server, i in requests]
     everyone = exchange(wire)
     read = sent = received = 0
-    problems: list[tuple[str, str]] = []
+    problems: list[Problem] = []
     capacity = max(ALIGN * 2, staging_bytes // 2)
     outboxes = inboxes = None  # allocated once, when first needed; fresh ones would page-fault
     with RangeReader(shared.index.opened) as reader:  # its threads serve every batch read here
@@ -127,8 +128,8 @@ def _write_received(work, incoming: torch.Tensor, batch, server: int, dests: lis
     with collective():
         work.wait()
     if int(incoming[-1]) != BATCH_OK and not problems:
-        problems = [*problems, ("CheckpointError", f"rank {server} could not read the bytes this rank "
-                                                   f"lacks (see rank {server}'s problem)")]
+        problems = [*problems, Problem(CheckpointError, f"rank {server} could not read the bytes this rank "
+                                                        f"lacks (see rank {server}'s problem)")]
     if problems:
         return problems  # the load has failed: keep receiving, write no more
     segments = [Segment(start, getattr(torch, part.src_dtype), part.numel, part.target, part.dst_offset)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .errors import ArgumentTypeError
+
 PARTITION = "partition"  # ZeRO-3 parameter: this rank owns a flat slice, written into ds_tensor
 FULL = "full"  # plain parameter or buffer: every rank writes the whole tensor
 ORPHAN = "orphan"  # plain [0]-shaped parameter re-created after zero.Init: shape comes from the file
@@ -72,7 +74,7 @@ def unwrap(model):
         return model.module, model
     if isinstance(model, torch.nn.Module):
         return model, None
-    raise TypeError(f"zload.load_into expects an nn.Module or a DeepSpeedEngine, got {type(model).__name__}")
+    raise ArgumentTypeError(f"zload.load_into expects an nn.Module or a DeepSpeedEngine, got {type(model).__name__}")
 
 
 def dtype_name(dtype) -> str:

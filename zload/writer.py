@@ -16,7 +16,9 @@ import numpy
 import torch
 
 from .digest import block_count, block_digests, data_digest
-from .distributed import BATCH_FAILED, BATCH_OK, agree, collective, comm_device, exchange, problems_of, rank_and_world
+from .distributed import (BATCH_FAILED, BATCH_OK, Problem, agree, collective, comm_device, exchange, problems_of,
+                          rank_and_world)
+from .errors import ZloadError
 from .execute import byte_view, reader_count
 from .integrations.peft import peft_info
 from .integrations.transformers import revert_conversion
@@ -116,8 +118,8 @@ def stream_to_rank0(items, sources, folder: str, staging_bytes: int,
                 if problems:
                     continue  # the save has failed: keep receiving, write no more
                 if int(incoming[-1]) != BATCH_OK:
-                    problems = [("ZloadError", f"rank {sender} could not send its slices (see its "
-                                               "problem)")]
+                    problems = [Problem(ZloadError, f"rank {sender} could not send its slices (see its "
+                                                    "problem)")]
                     continue
                 _, problems = problems_of(f"writing the slices rank {sender} sent",
                                           partial(_write_batch, files, batch, incoming.cpu()))
@@ -192,8 +194,8 @@ def write_converted(module, targets: list[Target], files: list[OutFile], folder:
                     finally:
                         out.close(sync=True)
                 except Exception as e:
-                    problems.append(("ZloadError", f"converting {[targets[i].name for i in group]} "
-                                                   f"for saving failed: {type(e).__name__}: {e}"))
+                    problems.append(Problem(ZloadError, f"converting {[targets[i].name for i in group]} "
+                                                        f"for saving failed: {type(e).__name__}: {e}"))
         agree(problems, failed)
         gathered += [targets[i].name for i in group]
     return written, gathered

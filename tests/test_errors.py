@@ -1,0 +1,215 @@
+"""Errors: built-in bases where they mean one, the fields ``path``, ``tensor`` and ``ranks``, and
+the same class and fields on every rank when one rank's problem is raised on all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+import zload
+from zload.distributed import Problem, problems_of, raise_for
+
+from . import models
+from .checkpoints import save_sharded
+from .harness import run_world
+from .zero3 import build_zero
+
+SHARD = "model-00001-of-00002.safetensors"
+
+
+def _rewrite_header(path, change) -> None:
+    """Replace the header of safetensors file ``path`` by ``change(header)``; the data stay."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.dumps(change(json.loads(raw[8:8 + n]))).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
+
+
+def _unknown_dtype(name):
+    return lambda header: dict(header, **{name: dict(header[name], dtype="F99")})
+
+
+def _checkpoint(folder):
+    return save_sharded(models.state_with_seed(models.Awkward, seed=60), folder, shards=2)
+
+
+def _fields(e: zload.ZloadError) -> tuple:
+    return type(e).__name__, e.path, e.tensor, e.ranks
+
+
+# ------------------------------------------------------------------------------------------------
+# built-in bases and fields, on one process
+
+
+def test_a_missing_checkpoint_is_a_file_not_found_error(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError) as info:
+        zload.open_checkpoint(missing)
+    e = info.value
+    assert isinstance(e, zload.CheckpointNotFoundError) and isinstance(e, zload.CheckpointError)
+    assert e.path == e.filename == missing and str(e) == f"{missing}: no such file or directory"
+    assert e.tensor is None and e.ranks is None
+
+
+def test_a_missing_shard_is_a_file_not_found_error_naming_it(tmp_path):
+    folder = _checkpoint(tmp_path / "ckpt")
+    (folder / SHARD).unlink()
+    with pytest.raises(zload.CheckpointNotFoundError) as info:
+        zload.open_checkpoint(folder)
+    assert isinstance(info.value, FileNotFoundError) and info.value.path == str(folder / SHARD)
+
+
+def test_an_empty_folder_is_not_found_and_an_ambiguous_one_is_invalid(tmp_path):
+    with pytest.raises(zload.CheckpointNotFoundError):
+        zload.open_checkpoint(tmp_path)
+    for name in ("a.safetensors", "b.safetensors"):
+        save_file({"w": torch.ones(1)}, str(tmp_path / name))
+    with pytest.raises(ValueError) as info:
+        zload.open_checkpoint(tmp_path)
+    assert isinstance(info.value, zload.InvalidCheckpointError) and info.value.path == str(tmp_path)
+
+
+def test_a_bad_header_is_a_value_error_naming_the_file_and_tensor(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(2), "v": torch.zeros(3)}, str(path))
+    _rewrite_header(path, _unknown_dtype("v"))
+    with pytest.raises(ValueError) as info:
+        zload.open_checkpoint(path)
+    e = info.value
+    assert isinstance(e, zload.InvalidCheckpointError) and isinstance(e, zload.ZloadError)
+    assert (e.path, e.tensor) == (str(path), "v") and "unknown dtype 'F99'" in str(e)
+
+    path.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00[]")
+    with pytest.raises(zload.InvalidCheckpointError) as info:
+        zload.open_checkpoint(path)
+    assert (info.value.path, info.value.tensor) == (str(path), None)
+
+
+def test_bad_arguments_are_value_and_type_errors(tmp_path):
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError) as info:
+        zload.load_into(torch.nn.Module(), tmp_path, verify="never")
+    assert isinstance(info.value, zload.ArgumentValueError)
+    with pytest.raises(ValueError) as info:
+        zload.load_into(torch.nn.Module(), tmp_path, revision="main")
+    assert isinstance(info.value, zload.ArgumentValueError) and info.value.path == str(tmp_path)
+    with pytest.raises(TypeError) as info:
+        zload.load_into("a model", tmp_path)
+    assert isinstance(info.value, zload.ArgumentTypeError)
+    with pytest.raises(ValueError) as info:  # agreed on (here by one rank), class kept
+        zload.save(torch.nn.Linear(2, 2), tmp_path / "out", max_shard_size="lots")
+    assert isinstance(info.value, zload.ArgumentValueError) and info.value.ranks == (0,)
+    with pytest.raises(TypeError) as info:
+        zload.save(torch.nn.Linear(2, 2), tmp_path / "out", master_weights=True)
+    assert isinstance(info.value, zload.ArgumentTypeError) and info.value.ranks == (0,)
+
+
+def test_a_plan_error_is_a_value_error(tmp_path):
+    save_file({"weight": torch.ones(3, 3), "bias": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError) as info:
+        zload.load_into(torch.nn.Linear(2, 2), tmp_path)
+    assert isinstance(info.value, zload.PlanError) and info.value.ranks == (0,)
+
+
+# ------------------------------------------------------------------------------------------------
+# raise_for: which problem's class and fields the agreed error has
+
+
+def test_the_agreed_error_keeps_the_class_and_fields_of_the_problem():
+    bad = Problem.of(zload.InvalidCheckpointError("f: bad", path="f", tensor="t"))
+    with pytest.raises(zload.InvalidCheckpointError) as info:
+        raise_for([[], [bad], [], [bad]], "refused")
+    assert _fields(info.value) == ("InvalidCheckpointError", "f", "t", (1, 3))
+    assert str(info.value) == "refused:\n  - [rank 1, 3] f: bad"
+
+
+def test_a_checkpoint_problem_comes_before_a_plan_problem_and_others():
+    plan = Problem(zload.PlanError, "'w': shape")
+    gone = Problem.of(zload.CheckpointNotFoundError("g: gone", path="g"))
+    other = Problem(zload.ZloadError, "unexpected error")
+    with pytest.raises(zload.CheckpointNotFoundError) as info:
+        raise_for([[other, plan], [plan], [gone]], "refused")
+    assert _fields(info.value) == ("CheckpointNotFoundError", "g", None, (2,))
+    assert info.value.filename == "g" and "[rank 0] unexpected error" in str(info.value)
+    with pytest.raises(zload.PlanError) as info:
+        raise_for([[other], [plan]], "refused")
+    assert info.value.ranks == (1,)
+
+
+def test_a_problem_keeps_the_fields_of_its_class():
+    def lost():
+        raise zload.PeerLostError("peer gone", stage="saving", path="p")
+
+    _, problems = problems_of("talking", lost)
+    with pytest.raises(zload.PeerLostError) as info:
+        raise_for([problems, []], "failed")
+    assert (info.value.stage, info.value.path, info.value.ranks) == ("saving", "p", (0,))
+
+
+# ------------------------------------------------------------------------------------------------
+# several ranks: one rank's error, the same class and fields on all
+
+
+def _load_on_node(node_dirs, key_map=None):
+    """Load ``ckpt`` in this rank's node folder; the error's class, fields and message."""
+    model = build_zero(models.Awkward)
+    cwd = os.getcwd()
+    try:
+        os.chdir(node_dirs[dist.get_rank()])
+        zload.load_into(model, "ckpt", key_map=key_map)
+    except zload.ZloadError as e:
+        return _fields(e) + (isinstance(e, ValueError), str(e))
+    finally:
+        os.chdir(cwd)
+    raise AssertionError("the load went ahead")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_bad_header_only_rank_1_sees_is_the_same_error_on_every_rank(tmp_path, world):
+    """Node-local copies: rank 1's node holds a shard with a bad header; every rank raises an
+    InvalidCheckpointError naming rank 1's file, its tensor and rank 1."""
+    good = _checkpoint(tmp_path / "node0" / "ckpt")
+    bad = shutil.copytree(good, tmp_path / "node1" / "ckpt")
+    _rewrite_header(bad / SHARD, _unknown_dtype("odd.bias"))
+    nodes = [tmp_path / "node0", tmp_path / "node1"] + [tmp_path / "node0"] * (world - 2)
+    results = run_world(world, _load_on_node, nodes, timeout=120)
+    assert len(set(results)) == 1, results
+    kind, path, tensor, ranks, is_value_error, message = results[0]
+    assert (kind, path, tensor, ranks, is_value_error) == (
+        "InvalidCheckpointError", str(bad / SHARD), "odd.bias", (1,), True), message
+    assert "[rank 1]" in message and "unknown dtype 'F99'" in message
+
+
+def _drops_on_rank_1(name):
+    return None if dist.get_rank() == 1 and name == "odd.bias" else name
+
+
+def test_a_plan_problem_on_one_rank_is_a_plan_error_naming_it_on_every_rank(tmp_path):
+    _checkpoint(tmp_path / "node0" / "ckpt")
+    results = run_world(3, _load_on_node, [tmp_path / "node0"] * 3, _drops_on_rank_1, timeout=120)
+    assert len(set(results)) == 1, results
+    kind, path, tensor, ranks, is_value_error, message = results[0]
+    assert (kind, path, tensor, ranks, is_value_error) == ("PlanError", None, None, (1,), True), message
+
+
+def _save_into_a_file(target):
+    model = build_zero(models.Awkward)
+    try:
+        zload.save(model, target)
+    except zload.ZloadError as e:
+        return _fields(e)
+    raise AssertionError("the save went ahead")
+
+
+def test_a_problem_only_rank_0_meets_while_saving_names_the_path_on_every_rank(tmp_path):
+    target = tmp_path / "out"
+    target.write_bytes(b"someone's file")
+    results = run_world(2, _save_into_a_file, str(target), timeout=120)
+    assert results == [("ZloadError", str(target), None, (0,))] * 2
