@@ -56,6 +56,7 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch, mo
     shares = runs["floor"]["bytes_read_by_rank"]
     assert sum(shares) == total and len(shares) == 2
     for method in ("zload", "zload+init"):
+        assert "zload-bench-src-" in runs[method]["zload_file"]  # the snapshot, not the working tree
         assert runs[method]["verified"] is True
         assert runs[method]["bytes_read_by_rank"] == shares
         assert runs[method]["zload_sent_received"] == 0
@@ -106,3 +107,9 @@ def test_gpu_check_catches_a_kernel_that_differs(monkeypatch):
     monkeypatch.setattr(triton_scatter, "scatter_cast_triton", lambda staging, segments, dests: segments)
     with pytest.raises(RuntimeError, match="did not take 4 of 4 segments"):
         gpu_check.kernel_check(torch.device("cpu"))
+
+
+def test_load_benchmark_modules_stay_small():
+    """One concern per module: the benchmark is a package, no module of it over 400 lines."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "benchmarks" / "load").glob("*.py")}
+    assert len(sizes) > 3 and max(sizes.values()) <= 400, sizes

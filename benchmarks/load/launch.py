@@ -46,10 +46,11 @@ def snapshot_zload() -> str:
     return root
 
 
-def _worker_env(world: int, snapshot: str | None) -> dict:
+def _worker_env(world: int, snapshot: str) -> dict:
+    """Workers run in ``snapshot`` (``python -m`` puts the working folder first on the path, so its
+    zload is the one imported) and find ``benchmarks`` in the repository."""
     env = dict(os.environ)
-    if snapshot:
-        env["PYTHONPATH"] = snapshot + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = os.pathsep.join([snapshot, REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if not cuda_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // world)))
@@ -75,7 +76,7 @@ def measure_local(method: str, world: int, folder: str, args, log_path: str) -> 
         with open(log_path, "w") as out:
             try:
                 rc = subprocess.call(cmd, env=_worker_env(world, args.snapshot), stdout=out, stderr=subprocess.STDOUT,
-                                     timeout=args.timeout, cwd=REPO)
+                                     timeout=args.timeout, cwd=args.snapshot)
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         if rc != 0:
@@ -122,7 +123,7 @@ class TorchrunWorld:
                     try:
                         rc = subprocess.call([sys.executable, *_worker_args(method, folder, result_dir, args)],
                                              env=env, stdout=out, stderr=subprocess.STDOUT,
-                                             timeout=args.timeout, cwd=REPO)
+                                             timeout=args.timeout, cwd=args.snapshot)
                     except subprocess.TimeoutExpired:
                         rc = "timeout"
                 if rc == 0:
