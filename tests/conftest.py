@@ -18,5 +18,6 @@ def _close_worlds_at_exit():
 
 @pytest.fixture(autouse=True)
 def _fresh_process_state():
-    """In-process tests, like rank bodies (see ``harness``), start from zload's state as a new process has it."""
+    """In-process tests, like rank bodies (see ``harness``), start from zload's state as a new
+    process has it."""
     reset_process_state()

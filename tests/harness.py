@@ -4,6 +4,10 @@ Worlds are kept alive between tests (one per size): starting a process that impo
 DeepSpeed costs seconds, and the suite runs hundreds of rank bodies. A world whose body fails
 stays usable; a world that hangs is killed, and the next test gets a fresh one. Each body starts
 from zload's module state as a new process has it (``reset_process_state``).
+
+Ranks receive a body by its name, so it is a module-level function; it sits just before the test
+that runs it and returns what that test reads by name (a zload report, or a NamedTuple defined
+next to the body).
 """
 
 from __future__ import annotations
