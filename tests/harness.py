@@ -2,7 +2,12 @@
 
 Worlds are kept alive between tests (one per size): starting a process that imports torch and
 DeepSpeed costs seconds, and the suite runs hundreds of rank bodies. A world whose body fails
-stays usable; a world that hangs is killed, and the next test gets a fresh one.
+stays usable; a world that hangs is killed, and the next test gets a fresh one. Each body starts
+from zload's module state as a new process has it (``reset_process_state``).
+
+Ranks receive a body by its name, so it is a module-level function; it sits just before the test
+that runs it and returns what that test reads by name (a zload report, or a NamedTuple defined
+next to the body).
 """
 
 from __future__ import annotations
@@ -23,6 +28,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reset_process_state() -> None:
+    """Undo what an earlier test left in zload's module state: worlds (and the pytest process)
+    run many tests, each of which should see zload as a new process does."""
+    from zload import kernels
+
+    kernels.retry_triton()
+
+
 def _worker(rank: int, size: int, port: int, tasks, results) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
                       LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -39,6 +52,7 @@ def _worker(rank: int, size: int, port: int, tasks, results) -> None:
             return
         fn, args, kwargs = job
         try:
+            reset_process_state()
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))

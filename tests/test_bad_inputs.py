@@ -16,7 +16,7 @@ import zload
 from . import models
 from .checkpoints import save_sharded
 from .harness import run_world
-from .zero3 import assert_unchanged, build_zero, recorded_warnings, snapshot
+from .zero3 import assert_unchanged, build_zero, load_recording_warnings, snapshot
 
 
 def load_on_nodes(path, node_dirs=None, **load_kwargs):
@@ -176,10 +176,8 @@ def test_a_planning_problem_on_one_rank_stops_every_rank(tmp_path, how):
     assert kind == ("ZloadError" if how == "raises" else "PlanError")
 
 
-def _load_non_strict(path):
-    model = build_zero(models.Awkward)
-    report, messages = recorded_warnings(lambda: zload.load_into(model, path, strict=False))
-    return report.missing, report.unexpected, messages
+def _load_awkward_recording_warnings(path, **load_kwargs):
+    return load_recording_warnings(build_zero(models.Awkward), path, **load_kwargs)
 
 
 def test_non_strict_reports_missing_and_unexpected(tmp_path):
@@ -187,24 +185,18 @@ def test_non_strict_reports_missing_and_unexpected(tmp_path):
     del state["odd.bias"]
     state["extra.weight"] = torch.ones(2)
     folder = save_sharded(state, tmp_path / "ckpt", shards=2)
-    for missing, unexpected, messages in run_world(2, _load_non_strict, folder):
-        assert missing == ["odd.bias"] and unexpected == ["extra.weight"]
-        assert any("extra.weight" in m for m in messages) and any("odd.bias" in m for m in messages)
-
-
-def _load_strict_with_extra(path):
-    model = build_zero(models.Awkward)
-    report, messages = recorded_warnings(lambda: zload.load_into(model, path))
-    return report.unexpected, messages
+    for load in run_world(2, _load_awkward_recording_warnings, folder, strict=False):
+        assert load.report.missing == ["odd.bias"] and load.report.unexpected == ["extra.weight"]
+        assert any("extra.weight" in m for m in load.messages) and any("odd.bias" in m for m in load.messages)
 
 
 def test_strict_load_only_warns_about_unexpected_tensors(tmp_path):
     state = models.state_with_seed(models.Awkward, seed=11)
     state["extra.weight"] = torch.ones(2)
     folder = save_sharded(state, tmp_path / "ckpt", shards=2)
-    for unexpected, messages in run_world(2, _load_strict_with_extra, folder):
-        assert unexpected == ["extra.weight"]
-        assert any("extra.weight" in m for m in messages)
+    for load in run_world(2, _load_awkward_recording_warnings, folder):
+        assert load.report.unexpected == ["extra.weight"]
+        assert any("extra.weight" in m for m in load.messages)
 
 
 def test_load_warnings_point_at_the_callers_line(tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -236,6 +237,13 @@ def test_full_verification_checks_the_digest_zload_save_recorded(tmp_path, world
 # 12. a peer process that dies mid-load
 
 
+class Survived(NamedTuple):
+    kind: str  # the class name of the error the load raised
+    message: str
+    cause: str  # the class name of its __cause__
+    stage: str | None  # its stage attribute
+
+
 def _load_while_a_rank_dies(folder, dying, where):
     model = build_zero(models.Awkward)
     before = snapshot(model)
@@ -251,7 +259,7 @@ def _load_while_a_rank_dies(folder, dying, where):
     except zload.ZloadError as e:
         if where == "indexing":
             assert_unchanged(model, before)
-        return type(e).__name__, str(e), type(e.__cause__).__name__, getattr(e, "stage", None)
+        return Survived(type(e).__name__, str(e), type(e.__cause__).__name__, getattr(e, "stage", None))
     return None
 
 
@@ -260,12 +268,12 @@ def test_a_peer_that_dies_mid_load_is_named_by_the_survivors(tmp_path, where):
     _, folder = _checkpoint(tmp_path / "ckpt")
     results = run_world_where_ranks_die(3, _load_while_a_rank_dies, str(folder), 1, where, timeout=120)
     assert results[1] is None, results  # it died
-    for ok, value in (results[0], results[2]):
-        assert ok, value
-        kind, message, cause, stage = value
-        assert kind == "PeerLostError" and cause == "RuntimeError", value
-        assert "another rank's process has probably died" in message
+    for ok, survived in (results[0], results[2]):
+        assert ok, survived
+        assert survived.kind == "PeerLostError" and survived.cause == "RuntimeError", survived
+        assert "another rank's process has probably died" in survived.message
         if where == "indexing":
-            assert stage.startswith("indexing and planning") and "The model was not changed" in message
+            assert survived.stage.startswith("indexing and planning")
+            assert "The model was not changed" in survived.message
         else:
-            assert stage.startswith("reading") and "The model is partly written" in message
+            assert survived.stage.startswith("reading") and "The model is partly written" in survived.message

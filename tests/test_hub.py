@@ -13,6 +13,7 @@ import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -159,7 +160,13 @@ def test_zload_imports_without_huggingface_hub():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# --- rank bodies (module level so that spawned ranks can import them) ---
+# --- multi-process ---
+
+class Resolved(NamedTuple):
+    local: str  # the folder REPO resolved to
+    offline_calls: list[bool]  # local_files_only of each snapshot_download call
+    tensors: list[str]  # in the resolved folder
+
 
 def _resolve_recording(cache):
     """Resolve REPO, recording which snapshot_download calls this rank made."""
@@ -177,7 +184,15 @@ def _resolve_recording(cache):
             local = download(REPO, None)
     finally:
         huggingface_hub.snapshot_download = real
-    return local, calls, sorted(zload.open_checkpoint(local).tensors)
+    return Resolved(local, calls, sorted(zload.open_checkpoint(local).tensors))
+
+
+def test_ranks_share_one_download(snapshot, cache):
+    """Local rank 0 resolves (would download) first; local rank 1 then reads the cache only."""
+    first, second = run_world(2, _resolve_recording, cache)
+    assert Path(first.local) == Path(second.local) == snapshot
+    assert first.offline_calls == [False] and second.offline_calls == [True]
+    assert first.tensors == second.tensors == sorted(STATE)
 
 
 def _resolve_error(cache_of_rank, repo):
@@ -189,16 +204,6 @@ def _resolve_error(cache_of_rank, repo):
         except zload.CheckpointError as e:
             return str(e)
     return None
-
-
-# --- multi-process ---
-
-def test_ranks_share_one_download(snapshot, cache):
-    """Local rank 0 resolves (would download) first; local rank 1 then reads the cache only."""
-    (local0, calls0, names0), (local1, calls1, names1) = run_world(2, _resolve_recording, cache)
-    assert Path(local0) == Path(local1) == snapshot
-    assert calls0 == [False] and calls1 == [True]
-    assert names0 == names1 == sorted(STATE)
 
 
 def test_missing_repo_fails_on_every_rank(cache):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -10,7 +12,7 @@ import zload
 
 from . import models
 from .harness import run_world
-from .zero3 import DS_CONFIG, check_against, load_expected, recorded_warnings
+from .zero3 import DS_CONFIG, check_against, load_expected, load_recording_warnings
 
 
 def _count_calls(build):
@@ -49,39 +51,46 @@ def _build_with_zero_init():
         return models.ParamsOnly()
 
 
+class InitThenLoad(NamedTuple):
+    broadcasts: int  # and weight-init calls, while zload.init built the model
+    zero_init_broadcasts: int  # the same, while zero.Init built it
+    error: str | None  # what the load raised
+    messages: list[str] | None  # the warnings it gave, if it did not raise
+
+
 def _init_then_load(path, strict):
     model, broadcasts = _count_calls(_build_with_init)
     _, zero_init_broadcasts = _count_calls(_build_with_zero_init)
     assert torch.nn.init.normal_.__name__ == "normal_"  # init functions restored on exit
     assert all(hasattr(p, "ds_id") and p.ds_tensor.dtype == torch.bfloat16 for p in model.parameters())
     try:
-        report, messages = recorded_warnings(lambda: zload.load_into(model, path, strict=strict))
+        load = load_recording_warnings(model, path, strict=strict)
     except zload.PlanError as e:
-        return broadcasts, zero_init_broadcasts, str(e), None
-    if not report.missing:
+        return InitThenLoad(broadcasts, zero_init_broadcasts, str(e), None)
+    if not load.report.missing:
         check_against(model, load_expected(path))
-    return broadcasts, zero_init_broadcasts, None, messages
+    return InitThenLoad(broadcasts, zero_init_broadcasts, None, load.messages)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_init_builds_without_broadcast_and_loads_everything(tmp_path, world):
     state = models.state_with_seed(models.ParamsOnly, seed=61)
     save_file(state, str(tmp_path / "m.safetensors"))
-    for broadcasts, zero_init_broadcasts, error, messages in run_world(
-            world, _init_then_load, str(tmp_path / "m.safetensors"), True):
-        assert broadcasts == 0  # neither zero.Init's broadcasts nor nn.Linear's kaiming init ran
-        assert zero_init_broadcasts == len(state) + 1  # one broadcast per parameter, one init
-        assert error is None and not any("never loaded" in m for m in messages)
+    for rank in run_world(world, _init_then_load, str(tmp_path / "m.safetensors"), True):
+        assert rank.broadcasts == 0  # neither zero.Init's broadcasts nor nn.Linear's kaiming init ran
+        assert rank.zero_init_broadcasts == len(state) + 1  # one broadcast per parameter, one init
+        assert rank.error is None and not any("never loaded" in m for m in rank.messages)
 
 
 def test_strict_load_refuses_to_leave_init_parameters_unwritten(tmp_path):
     state = models.state_with_seed(models.ParamsOnly, seed=62)
     del state["b"]
     save_file(state, str(tmp_path / "m.safetensors"))
-    for _, _, error, _ in run_world(2, _init_then_load, str(tmp_path / "m.safetensors"), True):
-        assert "not in the checkpoint" in error and error.rstrip().endswith(": b"), error
-    for _, _, error, messages in run_world(2, _init_then_load, str(tmp_path / "m.safetensors"), False):
-        assert error is None and any("never loaded" in m and "b" in m for m in messages), messages
+    for strict in run_world(2, _init_then_load, str(tmp_path / "m.safetensors"), True):
+        assert "not in the checkpoint" in strict.error and strict.error.rstrip().endswith(": b"), strict.error
+    for lenient in run_world(2, _init_then_load, str(tmp_path / "m.safetensors"), False):
+        assert lenient.error is None, lenient.error
+        assert any("never loaded" in m and "b" in m for m in lenient.messages), lenient.messages
 
 
 def _peft_base_only(path):

@@ -8,6 +8,7 @@ import contextlib
 import subprocess
 import sys
 import types
+from typing import NamedTuple
 from unittest import mock
 
 import deepspeed
@@ -72,6 +73,14 @@ def assert_no_full_parameter(model, made):
         assert p.data.shape == (0,) and not p.is_meta and hasattr(p, "ds_id"), name
 
 
+class Largest(NamedTuple):
+    """Sizes in elements, on one rank."""
+
+    by_init: int  # of the largest tensor made off the meta device while zload.init built Wide
+    by_zero_init: int  # the same, while zero.Init built it
+    partition: int  # of the largest partition of a parameter
+
+
 def _allocations():
     config = dtype_config(torch.bfloat16)
     model, made = _built(zload.init(config), Wide)
@@ -85,14 +94,14 @@ def _allocations():
         assert p.ds_tensor.dtype == torch.bfloat16 and p.ds_tensor.numel() == -(-p.ds_numel // world), name
         assert not p.ds_tensor.any(), f"{name}: a partition built by zload.init holds zeros until loaded"
     partition = max(p.ds_tensor.numel() for p in model.parameters())
-    return max(n for _, n in made), max(n for _, n in zero_init_made), partition
+    return Largest(max(n for _, n in made), max(n for _, n in zero_init_made), partition)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_no_rank_allocates_a_full_parameter(world):
-    for largest, zero_init_largest, partition in run_world(world, _allocations):
-        assert zero_init_largest >= 1500  # zero.Init makes the whole embedding on every rank
-        assert largest <= partition < 1500, (largest, partition)
+    for largest in run_world(world, _allocations):
+        assert largest.by_zero_init >= 1500  # zero.Init makes the whole embedding on every rank
+        assert largest.by_init <= largest.partition < 1500, largest
 
 
 def _buffers_and_layout(model):

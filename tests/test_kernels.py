@@ -260,7 +260,6 @@ def test_auto_falls_back_to_torch_once_triton_fails(monkeypatch, caplog):
     """A Triton that cannot compile or launch is reported once; the copies are then done by
     torch, now and from then on."""
     monkeypatch.delenv("ZLOAD_KERNEL", raising=False)
-    monkeypatch.setattr(kernels, "_triton_broken", None)
     monkeypatch.setattr(kernels, "_auto_triton", lambda segments, destinations: True)
     fake = type(sys)("zload.kernels.triton_scatter")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -20,6 +22,12 @@ def _config():
                                     max_position_embeddings=64, tie_word_embeddings=False)
 
 
+class LlamaLoad(NamedTuple):
+    report: zload.LoadReport
+    compared: int  # tensors equal to the checkpoint's, gathered
+    stored: int  # tensors in the checkpoint
+
+
 def _load_llama(folder, dtype):
     from glob import glob
 
@@ -32,7 +40,7 @@ def _load_llama(folder, dtype):
     for shard in sorted(glob(f"{folder}/model-*.safetensors")):
         expected.update(load_file(shard))
     compared = check_against(model, expected)
-    return compared, len(expected), report.missing, report.unexpected, len(report.conversions)
+    return LlamaLoad(report, compared, len(expected))
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +55,10 @@ def llama_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("world,dtype", [(2, "float32"), (3, "bfloat16"), (4, "float32")])
 def test_llama_save_pretrained_sharded(llama_checkpoint, world, dtype):
-    for compared, stored, missing, unexpected, conversions in run_world(world, _load_llama,
-                                                                        llama_checkpoint, dtype):
-        assert compared == stored > 10
-        assert missing == [] and unexpected == []
-        assert conversions == (dtype != "float32")
+    for load in run_world(world, _load_llama, llama_checkpoint, dtype):
+        assert load.compared == load.stored > 10
+        assert load.report.missing == [] and load.report.unexpected == []
+        assert len(load.report.conversions) == (dtype != "float32")
 
 
 def _structure(obj, seen=None):

@@ -34,7 +34,7 @@ def _load_on_node(node_dirs, reference, staging_bytes):
     finally:
         os.chdir(cwd)
     check_against(model, torch.load(reference))
-    return report.bytes_read, report.bytes_sent, report.bytes_received
+    return report
 
 
 def _checkpoint(tmp_path, seed):
@@ -74,9 +74,9 @@ def test_a_node_without_the_files(tmp_path, world):
     _, _, reference = _checkpoint(tmp_path, seed=31)
     (tmp_path / "node1").mkdir()
     nodes = [tmp_path / "node0"] + [tmp_path / "node1"] * (world - 1)
-    results = run_world(world, _load_on_node, nodes, reference, 256)
-    assert all(read == sent == 0 and received > 0 for read, sent, received in results[1:])
-    assert results[0][1] == sum(r[2] for r in results[1:])  # rank 0 sent what the others received
+    reports = run_world(world, _load_on_node, nodes, reference, 256)
+    assert all(r.bytes_read == r.bytes_sent == 0 and r.bytes_received > 0 for r in reports[1:])
+    assert reports[0].bytes_sent == sum(r.bytes_received for r in reports[1:])  # what the others received
 
 
 def test_a_whole_copy_on_every_node(tmp_path):
@@ -86,8 +86,8 @@ def test_a_whole_copy_on_every_node(tmp_path):
     shutil.copytree(folder, tmp_path / "node1" / "ckpt")
     shutil.copytree(folder, tmp_path / "node2" / "ckpt")
     nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "node2"]
-    results = run_world(3, _load_on_node, nodes, reference, 256)
-    assert all(read > 0 and sent == received == 0 for read, sent, received in results)
+    reports = run_world(3, _load_on_node, nodes, reference, 256)
+    assert all(r.bytes_read > 0 and r.bytes_sent == r.bytes_received == 0 for r in reports)
 
 
 def _load_while_the_reader_fails(node_dirs):
@@ -139,9 +139,9 @@ def test_shards_split_across_nodes(tmp_path):
     (folder / "model-00002-of-00002.safetensors").unlink()
     (other / "model-00001-of-00002.safetensors").unlink()
     nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "node0", tmp_path / "node1"]
-    results = run_world(4, _load_on_node, nodes, reference, 1 << 20)
-    assert all(sent > 0 and received > 0 for _, sent, received in results)  # readers are spread
-    assert sum(r[1] for r in results) == sum(r[2] for r in results)
+    reports = run_world(4, _load_on_node, nodes, reference, 1 << 20)
+    assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in reports)  # readers are spread
+    assert sum(r.bytes_sent for r in reports) == sum(r.bytes_received for r in reports)
 
 
 def test_two_torchrun_nodes(tmp_path):
@@ -214,5 +214,5 @@ def test_shards_with_one_name_in_two_subfolders(tmp_path):
     torch.save(state, reference)
     (tmp_path / "node1").mkdir()
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    results = run_world(2, _load_on_node, nodes, reference, 256)
-    assert results[1][0] == 0 and results[1][2] > 0
+    reports = run_world(2, _load_on_node, nodes, reference, 256)
+    assert reports[1].bytes_read == 0 and reports[1].bytes_received > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -19,9 +20,7 @@ from .zero3 import build_zero, full_state
 def _save_and_report(load_path, out, max_shard_size, shared):
     model = build_zero(models.Awkward)
     zload.load_into(model, load_path)
-    report = zload.save(model, out, max_shard_size=max_shard_size, shared_filesystem=shared,
-                        staging_bytes=64)
-    return report.files, report.bytes_written
+    return zload.save(model, out, max_shard_size=max_shard_size, shared_filesystem=shared, staging_bytes=64)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -29,8 +28,8 @@ def test_save_round_trip_bit_exact(tmp_path, world):
     state = models.state_with_seed(models.Awkward, seed=41)
     save_file(state, str(tmp_path / "in.safetensors"))
     out = tmp_path / "out"
-    results = run_world(world, _save_and_report, str(tmp_path / "in.safetensors"), str(out), 200, None)
-    files, _ = results[0]
+    reports = run_world(world, _save_and_report, str(tmp_path / "in.safetensors"), str(out), 200, None)
+    files = reports[0].files
     assert len(files) > 1 and (out / "model.safetensors.index.json").exists()
     saved = {}
     for f in files:
@@ -40,7 +39,12 @@ def test_save_round_trip_bit_exact(tmp_path, world):
         assert torch.equal(tensor, state[name]), name
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in saved.values())
-    assert sum(r[1] for r in results) == sum(t.numel() * t.element_size() for t in saved.values())
+    assert sum(r.bytes_written for r in reports) == sum(t.numel() * t.element_size() for t in saved.values())
+
+
+class SavedModel(NamedTuple):
+    report: zload.SaveReport
+    state: dict[str, torch.Tensor]  # the model's weights, whole
 
 
 def _save_transposed(out, kind):
@@ -53,7 +57,7 @@ def _save_transposed(out, kind):
         p.ds_tensor.data.copy_(torch.arange(p.ds_tensor.numel(), dtype=p.ds_tensor.dtype) / 7
                                + dist.get_rank(p.ds_process_group) * p.ds_tensor.numel() / 7)
     report = zload.save(model, out, max_shard_size="30KB")
-    return report.gathered, full_state(model)
+    return SavedModel(report, full_state(model))
 
 
 @pytest.mark.parametrize("kind", ["transposed_llama", "fused_transposed_llama"])
@@ -62,13 +66,12 @@ def test_save_gathers_only_tensors_whose_conversion_is_no_layout(tmp_path, kind)
     parameters are gathered, and transformers loads the folder back exactly."""
     from .test_load_converted import MODELS, SLOW_PATH
 
-    results = run_world(3, _save_transposed, str(tmp_path / "out"), kind)
-    gathered, expected = results[0]
-    assert gathered == SLOW_PATH[kind]
+    saved = run_world(3, _save_transposed, str(tmp_path / "out"), kind)[0]
+    assert saved.report.gathered == SLOW_PATH[kind]
     loaded, info = MODELS[kind][0].from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info
     for name, tensor in loaded.named_parameters():  # every parameter, none skipped by name
-        assert torch.equal(tensor, expected[name]), name
+        assert torch.equal(tensor, saved.state[name]), name
 
 
 def test_leftovers_of_a_killed_save_are_named_and_kept(tmp_path):

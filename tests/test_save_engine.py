@@ -12,6 +12,7 @@ import json
 import os
 from itertools import pairwise
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -188,6 +189,12 @@ def test_master_weights_of_converted_tensors(tmp_path, world):
 # ---------------------------------------------------------------------------------------------
 # B, D (dtype), E (shared vs streamed), F (bad size, big tensor): one world-3 save per model
 
+class RankSaves(NamedTuple):
+    gathered: dict[str, torch.Tensor] | None  # the model's weights by model name, on rank 0 only
+    reports: dict[str, zload.SaveReport]  # this rank's, by the folder under root
+    bad_size_error: str | None  # what max_shard_size="twenty kilobytes" raised
+
+
 def _save_body(kind, root):
     cls, make_config = KINDS[kind]
     config = make_config()
@@ -210,21 +217,26 @@ def _save_body(kind, root):
     else:
         bad = None
     gathered = full_state(model)
-    return (gathered if dist.get_rank() == 0 else None,
-            {k: (r.files, r.bytes_written, r.total_bytes) for k, r in reports.items()}, bad)
+    return RankSaves(gathered if dist.get_rank() == 0 else None, reports, bad)
+
+
+class SavedAt3(NamedTuple):
+    root: Path  # one folder per save of _save_body
+    gathered: dict[str, torch.Tensor]  # the model's weights by model name
+    reports: list[dict[str, zload.SaveReport]]  # per rank, by the folder under root
 
 
 @pytest.fixture(scope="module")
 def saved_at_3(tmp_path_factory):
-    """kind -> (folder, gathered weights by model name, per-rank reports); saved at world 3."""
+    """kind -> SavedAt3: each model saved at world 3 in every way _save_body saves it."""
     saved = {}
     for kind in KINDS:
         root = tmp_path_factory.mktemp(kind)
         results = run_world(3, _save_body, kind, str(root))
-        for _, _, bad in results:
-            assert bad is not None and "max_shard_size" in bad, bad
+        for rank in results:
+            assert "max_shard_size" in (rank.bad_size_error or ""), rank.bad_size_error
         assert not (root / "bad").exists()
-        saved[kind] = (root, results[0][0], [r[1] for r in results])
+        saved[kind] = SavedAt3(root, results[0].gathered, [rank.reports for rank in results])
     return saved
 
 
@@ -242,8 +254,8 @@ def test_hf_layout_read_back_without_deepspeed(saved_at_3, tmp_path, kind):
     root, gathered, reports = saved_at_3[kind]
     out = root / "out"
     files = _check_layout(out, parse_size(SHARD))
-    assert all(r["out"][0] == files for r in reports)
-    assert sum(r["out"][1] for r in reports) == sum(
+    assert all(r["out"].files == files for r in reports)
+    assert sum(r["out"].bytes_written for r in reports) == sum(
         t.numel() * t.element_size() for t in _read_all(out).values())  # each byte written once
 
     # names, shapes, dtypes and values exactly as transformers writes them (tied weights once)
@@ -297,9 +309,10 @@ def test_dtype_and_streaming_and_big_tensors(saved_at_3, tmp_path, kind):
         assert shared == (root / "stream" / name).read_bytes(), name
         assert shared == (root / "out" / name).read_bytes(), name
     total = sum(t.numel() * t.element_size() for t in reference.values())
-    assert sum(r["shared"][1] for r in reports) == total  # every byte written once, by its owner
-    assert reports[0]["stream"][1] == total  # rank 0 wrote everything; the others sent their own share
-    assert [r["stream"][1] for r in reports[1:]] == [r["shared"][1] for r in reports[1:]]
+    shared, stream = ([r[save].bytes_written for r in reports] for save in ("shared", "stream"))
+    assert sum(shared) == total  # every byte written once, by its owner
+    assert stream[0] == total  # rank 0 wrote everything; the others sent their own share
+    assert stream[1:] == shared[1:]
 
     # F: a tensor larger than max_shard_size gets a shard of its own
     files = _check_layout(root / "big", 3000)
@@ -321,6 +334,12 @@ def test_dtype_and_streaming_and_big_tensors(saved_at_3, tmp_path, kind):
 # ---------------------------------------------------------------------------------------------
 # C: saved at world 3, loaded by zload at 2 and 4
 
+class LoadedBack(NamedTuple):
+    compared: int  # tensors equal to the gathered weights
+    report: zload.LoadReport
+    tied: bool  # tied weights are still one parameter
+
+
 def _load_body(kind, folder, gathered):
     cls, make_config = KINDS[kind]
     model = _build_nested_zero3(cls, make_config(), torch.float32)  # sentinel-filled partitions
@@ -332,20 +351,25 @@ def _load_body(kind, folder, gathered):
     tied = (model.lm_head.weight is model.model.embed_tokens.weight if kind == "llama_tied" else
             model.decoder.lm_head.weight is model.decoder.transformer.wte.weight
             if kind == "vision_encoder_decoder" else True)
-    return compared, report.missing, report.unexpected, report.slow_path, tied
+    return LoadedBack(compared, report, tied)
 
 
 @pytest.mark.parametrize("kind,world", [("llama", 2), ("llama_tied", 4), ("mixtral", 2), ("mixtral", 4),
                                         ("vision_encoder_decoder", 4)])
 def test_saved_at_3_loaded_at_other_world_sizes(saved_at_3, kind, world):
-    root, gathered, _ = saved_at_3[kind]
-    for compared, missing, unexpected, slow_path, tied in run_world(world, _load_body, kind,
-                                                                    str(root / "out"), gathered):
-        assert compared > 10 and missing == [] and unexpected == [] and slow_path == [] and tied
+    saved = saved_at_3[kind]
+    for loaded in run_world(world, _load_body, kind, str(saved.root / "out"), saved.gathered):
+        assert loaded.compared > 10 and loaded.tied
+        assert loaded.report.missing == loaded.report.unexpected == loaded.report.slow_path == []
 
 
 # ---------------------------------------------------------------------------------------------
 # E: detection, when each rank sees its own directory at the same path
+
+class SavedOnNode(NamedTuple):
+    saved: zload.SaveReport  # the save into the rank's own "out"
+    loaded: zload.LoadReport  # the load of it back into a fresh model
+
 
 def _save_on_node(node_dirs, staging_bytes):
     cls, make_config = KINDS["llama"]
@@ -361,7 +385,7 @@ def _save_on_node(node_dirs, staging_bytes):
         os.chdir(cwd)
     gathered = full_state(model)
     check_against(fresh, gathered, names=[n for n, _ in fresh.named_parameters()])
-    return report.files, report.bytes_written, loaded.bytes_received
+    return SavedOnNode(report, loaded)
 
 
 def test_no_shared_filesystem_is_detected(saved_at_3, tmp_path):
@@ -373,10 +397,10 @@ def test_no_shared_filesystem_is_detected(saved_at_3, tmp_path):
         assert os.listdir(node) == [], f"{node}: {os.listdir(node)}"
     assert sorted(os.listdir(nodes[0])) == ["out"]
     files = _check_layout(nodes[0] / "out", parse_size(SHARD))
-    assert all(r[0] == files for r in results)
-    assert all(r[2] > 0 for r in results[1:]) and results[0][2] == 0
+    assert all(r.saved.files == files for r in results)
+    assert results[0].loaded.bytes_received == 0 and all(r.loaded.bytes_received > 0 for r in results[1:])
     # the same weights as the shared-filesystem save of saved_at_3: the same bytes
-    shared = saved_at_3["llama"][0] / "out"
+    shared = saved_at_3["llama"].root / "out"
     assert sorted(os.listdir(nodes[0] / "out")) == sorted(os.listdir(shared))
     for name in os.listdir(shared):
         assert (nodes[0] / "out" / name).read_bytes() == (shared / name).read_bytes(), name

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import NamedTuple
 
 import deepspeed
 import pytest
@@ -64,6 +65,12 @@ def _set_lora(model, seed: int) -> None:
             lora[name].copy_(torch.randn(lora[name].shape, generator=g))
 
 
+class SavedAdapter(NamedTuple):
+    gathered: dict[str, torch.Tensor]  # the LoRA weights saved, whole, by model name
+    logits: torch.Tensor  # of the ZeRO-3 model on base["input_ids"]
+    bytes_written: int  # by this rank
+
+
 def _save_body(base, out, lora_partitioned, adapter):
     model = _build(lora_partitioned, adapter, seed=31)
     zload.load_into(model, base["dir"])
@@ -78,7 +85,7 @@ def _save_body(base, out, lora_partitioned, adapter):
     assert sorted(saved) == sorted(_file_name(n, adapter) for n in gathered)
     for name, value in gathered.items():  # bit for bit, against DeepSpeed's own gather
         assert_bit_equal(saved[_file_name(name, adapter)], value, f"rank {dist.get_rank()}: {name}")
-    return gathered, logits, report.bytes_written
+    return SavedAdapter(gathered, logits, report.bytes_written)
 
 
 def _load_body(base, out, lora_partitioned, adapter, expected):
@@ -121,13 +128,14 @@ CASES = [  # (world that saves, world that loads back, LoRA partitioned when sav
 def test_peft_model_saves_its_adapter_as_peft_does(tmp_path, base, world, other_world, lora_partitioned,
                                                    adapter):
     out = tmp_path / "adapter"
-    results = run_world(world, _save_body, base, str(out), lora_partitioned, adapter)
-    gathered, logits, _ = results[0]
-    assert all(sorted(r[0]) == sorted(gathered) and all(torch.equal(r[0][n], gathered[n]) for n in gathered)
-               for r in results)
+    ranks = run_world(world, _save_body, base, str(out), lora_partitioned, adapter)
+    gathered, logits = ranks[0].gathered, ranks[0].logits
+    for rank in ranks:  # the same weights gathered on every rank
+        assert sorted(rank.gathered) == sorted(gathered)
+        assert all(torch.equal(rank.gathered[n], gathered[n]) for n in gathered)
     assert len(gathered) == 8 and all(f".{adapter}." in n for n in gathered)
     # every LoRA element was written once, by the rank that owns it (or, plain, by one rank)
-    assert sum(r[2] for r in results) == sum(v.numel() * v.element_size() for v in gathered.values())
+    assert sum(r.bytes_written for r in ranks) == sum(v.numel() * v.element_size() for v in gathered.values())
 
     # 1. only the adapter, in peft's files; names without the adapter name
     assert sorted(p.name for p in out.iterdir()) == ADAPTER_FILES

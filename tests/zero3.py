@@ -7,11 +7,14 @@ checkpoint tensor cast by ``Tensor.to``, so a wrong partition, offset, cast or p
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+
+import zload
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
@@ -119,9 +122,14 @@ def load_expected(path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def recorded_warnings(call):
-    """(result of call(), [warning messages])."""
+class WarnedLoad(NamedTuple):
+    report: zload.LoadReport
+    messages: list[str]  # of the warnings the load gave
+
+
+def load_recording_warnings(model, path, **load_kwargs) -> WarnedLoad:
+    """``zload.load_into(model, path, **load_kwargs)``, and the warnings it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = call()
-    return result, [str(w.message) for w in caught]
+        report = zload.load_into(model, path, **load_kwargs)
+    return WarnedLoad(report, [str(w.message) for w in caught])

@@ -86,6 +86,13 @@ def _auto_triton(segments, destinations) -> bool:
     return True
 
 
+def retry_triton() -> None:
+    """Forget that Triton failed, so that ``auto`` tries it again on next need, as a new process
+    would (a process that runs one test after another needs each to start afresh)."""
+    global _triton_broken
+    _triton_broken = None
+
+
 def _give_up_triton(error: BaseException) -> None:
     global _triton_broken
     if _triton_broken is None:
