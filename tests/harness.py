@@ -32,8 +32,10 @@ def reset_process_state() -> None:
     """Undo what an earlier test left in zload's module state: worlds (and the pytest process)
     run many tests, each of which should see zload as a new process does."""
     from zload import kernels
+    from zload.integrations import transformers_registry
 
     kernels.retry_triton()
+    transformers_registry.forget_registry()
 
 
 def _worker(rank: int, size: int, port: int, tasks, results) -> None:

@@ -4,6 +4,7 @@ earlier test in the same world (or in the pytest process) left there."""
 from __future__ import annotations
 
 from zload import kernels
+from zload.integrations import transformers_registry
 
 from .harness import run_world
 
@@ -31,3 +32,16 @@ def test_an_in_process_test_leaves_triton_marked_broken():
 
 def test_the_next_in_process_test_does_not_inherit_it():
     assert _why_triton_is_off() is None
+
+
+def _leave_a_registry_behind():
+    transformers_registry._deferred_registry = LEFTOVER  # as a transformers patched by a test leaves it
+
+
+def _registry_left():
+    return transformers_registry._deferred_registry
+
+
+def test_a_rank_body_does_not_inherit_the_previous_bodys_conversion_registry():
+    run_world(2, _leave_a_registry_behind)
+    assert run_world(2, _registry_left) == [None, None]

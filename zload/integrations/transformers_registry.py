@@ -100,6 +100,13 @@ def _build_deferred_registry(conversion_mapping, core_model_loading):
         core_model_loading.re = re
 
 
+def forget_registry() -> None:
+    """Build the registry anew on next use, as a new process would (a process that runs one test
+    after another, some with a patched transformers, needs each to start afresh)."""
+    global _deferred_registry
+    _deferred_registry = None
+
+
 @contextmanager
 def conversion_registry():
     """Lend transformers a conversion registry of deferred transforms for the block, if it has
