@@ -67,22 +67,24 @@ def testpeft_roles_and_saved_names(name, role, aliases):
     assert peft_role(name, "default", "lora_") == (role, aliases)
 
 
-def test_name_matching_needs_neither_transformers_nor_peft():
-    """names.py matches names without either library; what they add to matching lives in
-    zload/integrations/, which imports them only inside its functions."""
+def test_only_the_integrations_touch_transformers_or_peft():
+    """Name matching, building, saving and the rest work without either library; what they add
+    lives in zload/integrations/, which imports them only inside its functions."""
     import ast
     from pathlib import Path
 
     from zload import names
     from zload.integrations import peft, transformers
 
-    tree = ast.parse(Path(names.__file__).read_text())
-    used = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-            for alias in node.names}
-    used |= {node.module.split(".")[0] for node in ast.walk(tree)
-             if isinstance(node, ast.ImportFrom) and not node.level}
-    used |= {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)}  # sys.modules.get(...)
-    assert not {"transformers", "peft"} & used
+    for path in Path(names.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        used = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        used |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and not node.level}
+        used |= {node.value for node in ast.walk(tree)  # sys.modules.get("transformers.x")
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+        touched = {name for name in used for lib in ("transformers", "peft")
+                   if name == lib or name.startswith(lib + ".")}
+        assert not touched, f"{path.name} uses {sorted(touched)}: that belongs in zload/integrations/"
     assert callable(peft.peft_role) and callable(transformers.apply_conversion_mapping)
 
 

@@ -37,6 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .errors import ZloadError
+from .integrations.transformers import skip_weight_init
 
 _UNLOADED = "_zload_unloaded"  # set on each parameter built by ``init`` until a load writes it
 _RECIPE = "_zload_recipe"  # on a deferred tensor: (constructor, args, kwargs, device it will be on)
@@ -86,14 +87,7 @@ def _no_weight_init():
     with ExitStack() as stack:
         for name in _INIT_FUNCTIONS:
             stack.enter_context(_replaced(torch.nn.init, name, _skipping_parameters(getattr(torch.nn.init, name))))
-        hf = sys.modules.get("transformers.initialization")
-        if hf is not None:
-            saved = dict(hf.TORCH_INIT_FUNCTIONS)
-            hf.TORCH_INIT_FUNCTIONS.update({name: _skipping_parameters(f) for name, f in saved.items()})
-            stack.callback(hf.TORCH_INIT_FUNCTIONS.update, saved)
-        modeling = sys.modules.get("transformers.modeling_utils")  # optional: transformers models
-        if modeling is not None:  # their initialize_weights; tie_weights still runs
-            stack.enter_context(_replaced(modeling.PreTrainedModel, "initialize_weights", lambda self: None))
+        skip_weight_init(stack, _skipping_parameters)
         yield
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import copy
 import sys
 from math import prod
+from contextlib import ExitStack
 from typing import Callable, Collection
+from unittest import mock
 
 from ..index import DTYPES, CheckpointIndex
 from ..names import Piece, Source
@@ -170,3 +172,18 @@ def revert_conversion(module, tensors: dict) -> dict:
 
     with conversion_registry():
         return revert_weight_conversion(module, tensors)
+
+
+def skip_weight_init(stack: ExitStack, skipping: Callable) -> None:
+    """While ``stack`` is open, transformers' own weight initialisation leaves parameters alone:
+    its guarded copies of ``torch.nn.init`` go through ``skipping`` and a model's
+    ``initialize_weights`` does nothing (``tie_weights`` still runs). Nothing is imported: a model
+    of transformers is being built only if transformers is imported already."""
+    init = sys.modules.get("transformers.initialization")
+    if init is not None:
+        saved = dict(init.TORCH_INIT_FUNCTIONS)
+        init.TORCH_INIT_FUNCTIONS.update({name: skipping(f) for name, f in saved.items()})
+        stack.callback(init.TORCH_INIT_FUNCTIONS.update, saved)
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is not None:
+        stack.enter_context(mock.patch.object(modeling.PreTrainedModel, "initialize_weights", lambda self: None))
