@@ -33,22 +33,12 @@ from benchmarks.load.checkpoint import (
     checkpoint_dir,
     checkpoint_files,
     ensure_checkpoint,
+    evict_page_cache,
     llama_config,
-    page_cache_residency,
     parse_size_spec,
     warm_page_cache,
 )
 from benchmarks.load.report import host_info, zload_source_hash
-
-
-def _evict(files: list[str]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _sample_all(files: list[str]) -> float:
@@ -115,8 +105,7 @@ def measure(size_name: str, nbytes: int, args) -> dict:
     warm = [_sample_all(files) for _ in range(args.runs)]
     cold, residency = [], []
     for _ in range(args.runs):
-        _evict(files)
-        residency.append(page_cache_residency(folder))
+        residency.append(evict_page_cache(folder)["resident_fraction"])
         cold.append(_sample_all(files))
     warm_page_cache(folder)
     full = [_full_digest(files) for _ in range(args.runs)]

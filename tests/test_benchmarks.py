@@ -109,6 +109,21 @@ def test_gpu_check_catches_a_kernel_that_differs(monkeypatch):
         gpu_check.kernel_check(torch.device("cpu"))
 
 
+def test_cold_load_benchmark_empties_the_page_cache_before_each_measurement(cache, tmp_path):
+    """``--cold``: every measured method starts with (almost) none of the checkpoint cached, as
+    checked by the worker itself just before it starts; a warm run starts with all of it."""
+    common = ["--world", "1", "--size", SIZE, "--runs", "2", "--methods", "floor", "zload", "--cache", cache,
+              "--out", tmp_path, "--no-verify"]
+    run_module("benchmarks.load", *common, "--cold", "--name", "cold")
+    run_module("benchmarks.load", *common, "--name", "warm")
+    for name, fits in (("cold", lambda r: r <= 0.1), ("warm", lambda r: r >= 0.9)):
+        data = json.loads((tmp_path / f"load-{name}.json").read_text())
+        assert data["page_cache"] == name
+        resident = [run["page_cache_resident"] for e in data["results"] for run in e["runs"]]
+        assert len(resident) == 4 and all(fits(r) for r in resident), (name, resident)
+        assert ("emptied" in (tmp_path / f"load-{name}.md").read_text()) == (name == "cold")
+
+
 def test_load_benchmark_modules_stay_small():
     """One concern per module: the benchmark is a package, no module of it over 400 lines."""
     sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "benchmarks" / "load").glob("*.py")}

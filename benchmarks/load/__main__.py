@@ -18,6 +18,7 @@ from .checkpoint import (
     checkpoint_dir,
     checkpoint_files,
     ensure_checkpoint,
+    evict_page_cache,
     llama_config,
     parse_bytes,
     parse_size_spec,
@@ -70,6 +71,9 @@ def parse_args(argv=None):
                    help="load_into's verify= for the zload methods (default sample, as load_into's)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking every partition against the checkpoint after each load")
+    p.add_argument("--cold", action="store_true",
+                   help="empty the page cache of the checkpoint before every measurement (drop_caches as "
+                        "root, else posix_fadvise DONTNEED), instead of reading it in")
     p.add_argument("--render", metavar="JSON",
                    help="only rewrite the .md and .png next to an existing results JSON")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
@@ -158,10 +162,10 @@ def main(argv=None) -> int:
                 if run >= runs_for[method]:
                     continue
                 log_path = os.path.join(logs, f"{label}-w{w}-{method}-run{run}.log")
-                # Re-read the files before every measurement: the methods' own memory (transformers'
-                # rank 0 holds the whole model) can evict checkpoint pages between runs.
-                resident = warm_page_cache(folder)["resident_fraction"] \
-                    if coord is None or coord.local_rank == 0 else None
+                # Re-read the files before every measurement (the methods' own memory, transformers'
+                # rank 0 holding the whole model, can evict checkpoint pages), or empty the cache.
+                if coord is None or coord.local_rank == 0:
+                    (evict_page_cache if args.cold else warm_page_cache)(folder)
                 if coord:
                     coord.barrier()
                 ranks = (coord.measure(method, w, folder, args, log_path) if coord
@@ -169,7 +173,6 @@ def main(argv=None) -> int:
                 if not lead:
                     continue
                 summary = summarize_run(ranks)
-                summary["page_cache_resident"] = resident
                 entries[method]["runs"].append(summary)
                 if summary["verified"] is False:
                     raise RuntimeError(f"{method} at world {w}: partitions differ from the checkpoint: "
@@ -207,6 +210,7 @@ def main(argv=None) -> int:
                   else "python -m torch.distributed.run per measurement",
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "cores // W (set per launch)"),
         "staging_bytes": args.staging_bytes,
+        "page_cache": "cold" if args.cold else "warm",
         "load_verify": args.load_verify,
         "checkpoints": checkpoints,
         "results": results,

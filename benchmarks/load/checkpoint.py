@@ -125,6 +125,29 @@ def warm_page_cache(folder: str) -> dict:
     return info
 
 
+def evict_page_cache(folder: str) -> dict:
+    """Empty the page cache of the checkpoint's files: each file's pages first
+    (``posix_fadvise(DONTNEED)``, which leaves the rest of the machine's cache alone), then, if
+    pages stay resident and this is root, the whole cache (``drop_caches``); report how, and how
+    much stayed resident."""
+    os.sync()
+    for path in checkpoint_files(folder):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    how, resident = "posix_fadvise(DONTNEED)", page_cache_residency(folder)
+    if resident is None or resident > 0.05:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            how, resident = "drop_caches", page_cache_residency(folder)
+        except OSError:  # not root, or a container without a writable /proc/sys
+            pass
+    return {"how": how, "resident_fraction": resident}
+
+
 def page_cache_residency(folder: str) -> float | None:
     """Fraction of the checkpoint's bytes in the page cache (util-linux ``fincore``), if available."""
     if not shutil.which("fincore"):

@@ -48,6 +48,8 @@ def summarize_run(ranks: list[dict]) -> dict:
         "rchar_load": _max(ranks, "load", "rchar"),
         "reload_s": _max(ranks, "reload", "seconds"),
         "zload_file": ranks[0].get("zload_file"),
+        "page_cache_resident": min((r["page_cache_resident"] for r in ranks
+                                    if r.get("page_cache_resident") is not None), default=None),
         "samples": min(r.get("samples", 0) for r in ranks),
         "verified": (None if any(r.get("verified") is None for r in ranks)
                      else all(r["verified"]["ok"] for r in ranks)),
@@ -161,15 +163,21 @@ def fmt_s(value) -> str:
 
 
 def _residency(data: dict) -> str:
-    """How warm the page cache was: the lowest residency seen before any measurement of a size."""
+    """How warm (or cold) the page cache was as each measured method started: the lowest (highest
+    when cold) residency seen for a size."""
+    cold = data.get("page_cache") == "cold"
+    pick = max if cold else min
     before_each = {}
     for e in data["results"]:
         for run in e["runs"]:
             if run.get("page_cache_resident") is not None:
                 size = e["size"]
-                before_each[size] = min(before_each.get(size, 1.0), run["page_cache_resident"])
+                before_each[size] = pick(before_each.get(size, run["page_cache_resident"]),
+                                         run["page_cache_resident"])
     if before_each:
-        return "every file re-read before each measurement; lowest residency then: " + ", ".join(
+        done = ("page cache emptied before each measurement; highest" if cold
+                else "every file re-read before each measurement; lowest")
+        return f"{done} residency as the method started: " + ", ".join(
             f"{size}: {fraction:.0%}" for size, fraction in before_each.items())
     return "every file read once before the runs; " + ", ".join(
         f"{s['size']}: {s['page_cache']['resident_fraction']:.0%} resident"

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from .checkpoint import page_cache_residency
 from .methods import RUNNERS, partition_bytes
 
 
@@ -218,7 +219,11 @@ def worker_main(args) -> None:
     rc = 0
     try:
         method = args.worker
+        # how much of the checkpoint the page cache holds as the method starts (this VM evicts idle
+        # pages within a minute, so a warm run is checked as much as a cold one)
+        resident = page_cache_residency(args.checkpoint) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
         result = RUNNERS[method](args.checkpoint, meter, args)
+        result["page_cache_resident"] = resident
         meter.close()
         segments = dict(meter.done)
         if "construct" not in segments and "load" in segments:
