@@ -104,7 +104,8 @@ def stream_to_rank0(items, sources, folder: str, staging_bytes: int,
     rank, world = rank_and_world()
     device = comm_device()  # NCCL takes GPU tensors only
     mine = staging_batches(items, max(2 * ALIGN, staging_bytes))
-    batches = exchange([[(at, i.file, i.offset, i.nbytes) for at, i in batch] for batch in mine])
+    described = [[(at, i.file, i.offset, i.nbytes) for at, i in batch] for batch in mine]
+    batches = exchange(described)
     if rank == 0:
         done = 0
         if not problems:
@@ -127,8 +128,8 @@ def stream_to_rank0(items, sources, folder: str, staging_bytes: int,
         _, closed = problems_of("closing the files", lambda: files.close(sync=True))
         return done or 0, problems or closed
     sent = 0
-    for batch in mine:
-        payload = torch.empty(_payload_bytes([(at, i.nbytes) for at, i in batch]), dtype=torch.uint8)
+    for batch, description in zip(mine, described):
+        payload = torch.empty(_payload_bytes(description), dtype=torch.uint8)
         if not problems:
             _, problems = problems_of("preparing the slices for rank 0",
                                       partial(_pack, batch, sources, payload))
@@ -139,9 +140,9 @@ def stream_to_rank0(items, sources, folder: str, staging_bytes: int,
     return sent, problems
 
 
-def _payload_bytes(batch) -> int:
-    """A batch's message: its staging layout (the last part ends it) and a status byte."""
-    at, *_, nbytes = batch[-1]
+def _payload_bytes(description) -> int:
+    """A batch's message: its staging layout (its last part ends it) and a status byte."""
+    at, _, _, nbytes = description[-1]
     return at + nbytes + 1
 
 
