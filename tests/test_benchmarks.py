@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from benchmarks import gpu_check
 from benchmarks.load.report import write_outputs
+from benchmarks.load.targets import evaluate_targets
 from zload.kernels.torch_scatter import scatter_cast_torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +53,7 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch, mo
         run_module("benchmarks.load", "--world", "2", *args)
     data = json.loads((tmp_path / "load-smoke.json").read_text())
     runs = {r["method"]: r["runs"][0] for r in data["results"] if r["world"] == 2}
-    assert set(runs) == {"floor", "alloc-floor", "zload", "zload+init", "transformers"}
+    assert set(runs) == {"floor", "ceiling", "alloc-floor", "zload", "zload+init", "dcp", "transformers"}
     total = data["checkpoints"][0]["checkpoint_bytes"]
     shares = runs["floor"]["bytes_read_by_rank"]
     assert sum(shares) == total and len(shares) == 2
@@ -70,11 +72,55 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch, mo
     table = (tmp_path / "load-smoke.md").read_text()
     for method in runs:
         assert f"| {method} |" in table
-    assert len(data["targets"]) == 8 and all(t.startswith(SIZE) for t in data["targets"])
+    assert len(data["targets"]) == 9 and all(t.startswith(SIZE) for t in data["targets"])
     assert (tmp_path / "load-smoke.png").stat().st_size > 1000
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" raises ImportError
     assert write_outputs(data, str(tmp_path / "again")) == ".md"
     assert (tmp_path / "again.md").read_text() == table and not (tmp_path / "again.png").exists()
+
+
+def test_load_benchmark_compares_with_dcp_and_the_device_ceiling(cache, tmp_path):
+    """DCP's Hugging Face reader leaves every rank's rows of every tensor, bit for bit, and reads
+    (by estimate) just those rows; the ceiling reads the files once over the ranks, in equal shares,
+    across file boundaries; DCP's plan exchange shows in the collectives."""
+    run_module("benchmarks.load", "--world", "2", "--size", SIZE, "--shard-size", "8MB", "--runs", "1",
+               "--methods", "floor", "dcp", "ceiling", "--cache", cache, "--out", tmp_path, "--name", "dcp")
+    data = json.loads((tmp_path / "load-dcp.json").read_text())
+    runs = {r["method"]: r["runs"][0] for r in data["results"]}
+    folder = Path(data["checkpoints"][0]["folder"])
+    file_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    assert data["checkpoints"][0]["files"] > 1
+    assert runs["dcp"]["verified"] is True
+    assert sum(runs["dcp"]["bytes_read_by_rank"]) == data["checkpoints"][0]["checkpoint_bytes"]
+    assert runs["dcp"]["collective_received_load"] > 1000
+    shares = runs["ceiling"]["bytes_read_by_rank"]
+    assert sum(shares) == file_bytes and max(shares) - min(shares) <= 1
+    assert runs["ceiling"]["verified"] is None and runs["ceiling"]["collective_received_load"] == 0
+    assert runs["dcp"]["load_s"] > 0 and runs["ceiling"]["load_s"] > 0
+    table = (tmp_path / "load-dcp.md").read_text()
+    assert "| ceiling | – |" in table and "| dcp | – |" in table  # nothing timed as construction
+
+
+def _entry(method: str, world: int, load_s: float) -> dict:
+    return {"size": "1GB", "world": world, "method": method, "median": {"load_s": load_s, "max_load_rss_growth": 0}}
+
+
+@pytest.mark.parametrize("page_cache", ["cold", "warm"])
+def test_dcp_and_ceiling_targets_at_every_world_size(page_cache):
+    """Cold: zload's load within 0.9x DCP's and at >= 85% of the ceiling's speed; warm: zload ahead of
+    DCP; each judged at every world size where the methods ran."""
+    loads = {1: {"zload": 1.0, "dcp": 1.0, "ceiling": 0.9}, 2: {"zload": 0.5, "dcp": 1.0, "ceiling": 0.4}}
+    data = {"checkpoints": [{"size": "1GB"}], "staging_bytes": 64 << 20, "page_cache": page_cache,
+            "results": [_entry(m, w, s) for w, by_method in loads.items() for m, s in by_method.items()]}
+    verdicts = dict(re.match(r"(.*): (MET|NOT MET) \(", t).groups() for t in evaluate_targets(data) if " W=" in t)
+    if page_cache == "cold":
+        assert verdicts == {"1GB W=1, cold: zload load <= 0.9x DCP's": "NOT MET",
+                            "1GB W=1, cold: zload load at >= 85% of the device ceiling's speed": "MET",
+                            "1GB W=2, cold: zload load <= 0.9x DCP's": "MET",
+                            "1GB W=2, cold: zload load at >= 85% of the device ceiling's speed": "NOT MET"}
+    else:
+        assert verdicts == {"1GB W=1, warm: zload load ahead of DCP's": "NOT MET",
+                            "1GB W=2, warm: zload load ahead of DCP's": "MET"}
 
 
 def test_gpu_check_smoke_run_on_cpu(cache, tmp_path):

@@ -1,4 +1,5 @@
-"""Load benchmark: transformers ``from_pretrained`` under ZeRO-3 vs ``zload.load_into`` vs the I/O floor.
+"""Load benchmark: transformers ``from_pretrained`` under ZeRO-3 and PyTorch DCP vs ``zload.load_into`` vs
+the I/O floor and the device's ceiling.
 
     python -m benchmarks.load --size 300MB 600MB@2 --world 1 2 --runs 3
     torchrun --nproc_per_node 8 -m benchmarks.load --size 16GB --world 1 2 4 8
@@ -9,11 +10,18 @@ each world size, method and run, starts a fresh world of W ranks (so peak RSS is
 
 - ``floor``: each rank ``os.preadv``s exactly its ZeRO-3 byte ranges (the ones zload reads) into a
   preallocated buffer. Only the reads are timed: the I/O floor for a partitioned load.
+- ``ceiling``: each rank reads a contiguous 1/W span of the files (concatenated in sorted order)
+  with ``os.preadv`` in 16 MiB blocks from 4 threads: the best time for the storage device to read the
+  same files with large blocks and parallel readers.
 - ``alloc-floor``: each rank allocates (``torch.empty``) and touches (``fill_``) exactly its ZeRO-3
   partitions, one tensor each, in the models' dtype: the floor for building a partitioned model.
 - ``zload``: build the model under ``deepspeed.zero.Init`` (timed as construct), then
   ``zload.load_into`` (timed as load).
 - ``zload+init``: build under ``zload.init`` (no weight init, no broadcast), then ``load_into``.
+- ``dcp``: ``torch.distributed.checkpoint.load`` with its ``HuggingFaceStorageReader`` into one DTensor
+  per checkpoint tensor, sharded by rows (``Shard(0)``) over a CPU device mesh of the W ranks (in CPU
+  memory also where CUDA is); the local shards are allocated and touched before the load, which
+  alone is timed.
 - ``transformers``: ``LlamaForCausalLM.from_pretrained`` with a live ``HfDeepSpeedConfig`` (ZeRO-3):
   construct + load is the whole call, the load step is its ``_load_pretrained_model``.
 
@@ -30,8 +38,8 @@ takes the max over ranks of each run and the median over runs, and writes
 
 Package layout: ``checkpoint`` (sizes, the Llama checkpoint, the page cache), ``methods`` (what
 each method does in a worker), ``worker`` (one rank of a measured world: metering and reporting),
-``launch`` (starting worlds, plainly or under torchrun), ``report`` (aggregation, targets, table
-and plot) and ``__main__`` (the command line and the measuring loop).
+``launch`` (starting worlds, plainly or under torchrun), ``report`` (aggregation, table and plot),
+``targets`` (the targets' verdicts) and ``__main__`` (the command line and the measuring loop).
 """
 
 import os
@@ -39,7 +47,7 @@ import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 REPO = os.path.dirname(HERE)
-METHODS = ("floor", "alloc-floor", "zload", "zload+init", "transformers")
+METHODS = ("floor", "ceiling", "alloc-floor", "zload", "zload+init", "dcp", "transformers")
 DEFAULT_STAGING = 64 << 20  # zload's default staging_bytes (zload.execute.DEFAULT_STAGING_BYTES)
 SLACK = 64_000_000  # the memory target: growth <= staging + 64 MB
 MB = 1e6

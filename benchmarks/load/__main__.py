@@ -27,7 +27,6 @@ from .checkpoint import (
 from .launch import TorchrunWorld, cuda_available, measure_local, snapshot_zload
 from .report import (
     default_name,
-    evaluate_targets,
     fmt_mb,
     fmt_s,
     host_info,
@@ -37,6 +36,7 @@ from .report import (
     write_outputs,
     zload_source_hash,
 )
+from .targets import evaluate_targets
 from .worker import worker_main
 
 

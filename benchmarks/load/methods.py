@@ -4,9 +4,13 @@ it leaves.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
-from .checkpoint import checkpoint_bytes
+from .checkpoint import checkpoint_bytes, checkpoint_files
+
+CEILING_BLOCK = 16 << 20  # bytes per os.preadv of the device ceiling
+CEILING_THREADS = 4  # the device ceiling's parallel readers
 
 
 def ds_config() -> dict:
@@ -14,49 +18,96 @@ def ds_config() -> dict:
             "zero_optimization": {"stage": 3}}
 
 
+@contextlib.contextmanager
+def descriptors():
+    """A function giving a read-only descriptor of a path, opened once on first use; all are closed
+    on leaving."""
+    fds = {}
+
+    def fd_of(path: str) -> int:
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY)
+        return fds[path]
+
+    try:
+        yield fd_of
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def read_fully(fd: int, view: memoryview, offset: int, name: str) -> int:
+    """Fill ``view`` from ``offset`` on with ``os.preadv`` (which may return short); returns its length."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"{name}: unexpected end of file at {offset + done}")
+        done += got
+    return done
+
+
+def touched_buffer(nbytes: int) -> memoryview:
+    """``nbytes`` of memory, every page written once, so that reading into it faults no page in."""
+    import torch
+
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    buffer.fill_(0)
+    return memoryview(buffer.numpy()).cast("B")
+
+
+def check_against_checkpoint(tensors: dict, folder: str, problem_of) -> dict:
+    """Each of ``tensors`` (name -> tensor) is in the checkpoint and passes
+    ``problem_of(tensor, entry, read)``: None, or what is wrong with it (``read(entry, first, n)``
+    gives ``n`` bytes of the entry's data from its byte ``first`` on)."""
+    from zload import open_checkpoint
+
+    with open_checkpoint(folder) as index:
+        entries, path_of = index.tensors, index.path
+    problems, checked = [], 0
+    with descriptors() as fd_of:
+        def read(e, first: int, n: int) -> bytes:
+            return os.pread(fd_of(path_of(e.file)), n, e.start + first)
+
+        for name, tensor in tensors.items():
+            e = entries.get(name)
+            if e is None:
+                problems.append(f"{name}: not in the checkpoint")
+                continue
+            problem = problem_of(tensor, e, read)
+            if problem:
+                problems.append(f"{name}: {problem}")
+            checked += 1
+    return {"checked": checked, "problems": problems[:10], "ok": not problems and checked > 0}
+
+
 def verify_partitions(model, folder: str) -> dict:
     """Every parameter is a ZeRO-3 parameter whose partition holds the checkpoint's bytes."""
     import torch
     import torch.distributed as dist
 
-    from zload import open_checkpoint
     from zload.index import DTYPES
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    with open_checkpoint(folder) as index:
-        entries, path_of = index.tensors, index.path
-    problems, checked, fds = [], 0, {}
-    try:
-        for name, p in model.named_parameters():
-            if not hasattr(p, "ds_id") or not hasattr(p, "ds_tensor"):
-                problems.append(f"{name}: not a ZeRO-3 parameter")
-                continue
-            e = entries.get(name)
-            if e is None:
-                problems.append(f"{name}: not in the checkpoint")
-                continue
-            ps = p.ds_tensor.ds_numel
-            lo = rank * ps
-            valid = max(0, min(ps, e.numel - lo))
-            if e.numel != p.ds_numel or ps != -(-e.numel // world):
-                problems.append(f"{name}: unexpected partition geometry")
-                continue
-            if e.file not in fds:
-                fds[e.file] = os.open(path_of(e.file), os.O_RDONLY)
-            want = os.pread(fds[e.file], valid * e.itemsize, e.start + lo * e.itemsize)
-            stored = getattr(torch, DTYPES[e.dtype][0])
-            if stored != p.ds_tensor.dtype:  # a cast load: compare with Tensor.to of the file bytes
-                raw = torch.frombuffer(bytearray(want), dtype=torch.uint8) if want else \
-                    torch.empty(0, dtype=torch.uint8)
-                want = raw.view(stored).to(p.ds_tensor.dtype).view(torch.uint8).numpy().tobytes()
-            got = p.ds_tensor.detach().reshape(-1)[:valid].cpu().contiguous().view(torch.uint8)
-            if bytes(got.numpy().tobytes()) != want:
-                problems.append(f"{name}: partition differs from the checkpoint")
-            checked += 1
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return {"checked": checked, "problems": problems[:10], "ok": not problems and checked > 0}
+
+    def partition_problem(p, e, read) -> str | None:
+        if not hasattr(p, "ds_id") or not hasattr(p, "ds_tensor"):
+            return "not a ZeRO-3 parameter"
+        ps = p.ds_tensor.ds_numel
+        lo = rank * ps
+        valid = max(0, min(ps, e.numel - lo))
+        if e.numel != p.ds_numel or ps != -(-e.numel // world):
+            return "unexpected partition geometry"
+        want = read(e, lo * e.itemsize, valid * e.itemsize)
+        stored = getattr(torch, DTYPES[e.dtype][0])
+        if stored != p.ds_tensor.dtype:  # a cast load: compare with Tensor.to of the file bytes
+            raw = torch.frombuffer(bytearray(want), dtype=torch.uint8) if want else \
+                torch.empty(0, dtype=torch.uint8)
+            want = raw.view(stored).to(p.ds_tensor.dtype).view(torch.uint8).numpy().tobytes()
+        got = p.ds_tensor.detach().reshape(-1)[:valid].cpu().contiguous().view(torch.uint8)
+        return None if bytes(got.numpy().tobytes()) == want else "partition differs from the checkpoint"
+
+    return check_against_checkpoint(dict(model.named_parameters()), folder, partition_problem)
 
 
 def rank_partitions(folder: str) -> list[tuple]:
@@ -99,36 +150,136 @@ def alloc_floor(folder: str, meter, args) -> dict:
 
 
 def floor(folder: str, meter, args) -> dict:
-    import torch
-
     ranges = [(path, e.start + lo * e.itemsize, n * e.itemsize)
               for path, e, _, lo, n in rank_partitions(folder) if n]
-    total = sum(n for _, _, n in ranges)
-    buffer = torch.empty(total, dtype=torch.uint8)
-    buffer.fill_(0)  # touched now, like the partitions zload writes into (allocated at construction)
-    view = memoryview(buffer.numpy()).cast("B")
+    # touched now, like the partitions zload writes into (allocated at construction)
+    view = touched_buffer(sum(n for _, _, n in ranges))
 
     meter.begin("total")
     meter.begin("load")
-    fds, position, read = {}, 0, 0
-    try:
+    position, read = 0, 0
+    with descriptors() as fd_of:
         for file, offset, n in ranges:
-            fd = fds.get(file)
-            if fd is None:
-                fd = fds[file] = os.open(file, os.O_RDONLY)
-            part = view[position:position + n]
-            while len(part):
-                got = os.preadv(fd, [part], offset)
-                if got <= 0:
-                    raise OSError(f"{file}: unexpected end of file at {offset}")
-                part, offset, read = part[got:], offset + got, read + got
+            read += read_fully(fd_of(file), view[position:position + n], offset, file)
             position += n
-    finally:
-        for fd in fds.values():
-            os.close(fd)
     meter.end("load")
     meter.end("total")
     return {"bytes_read": read, "verified": None}
+
+
+def ceiling_blocks(folder: str) -> list[tuple[str, int, int]]:
+    """This rank's share of the checkpoint files (concatenated in sorted order, cut into W equal
+    contiguous spans) as (path, offset, length) blocks of at most ``CEILING_BLOCK`` bytes, in order."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    files = [(path, os.path.getsize(path)) for path in checkpoint_files(folder)]
+    total = sum(size for _, size in files)
+    lo, hi = rank * total // world, (rank + 1) * total // world
+    blocks, file_start = [], 0
+    for path, size in files:
+        first, last = max(lo, file_start), min(hi, file_start + size)
+        blocks += [(path, at - file_start, min(CEILING_BLOCK, last - at))
+                   for at in range(first, last, CEILING_BLOCK)]
+        file_start += size
+    return blocks
+
+
+def ceiling(folder: str, meter, args) -> dict:
+    """The storage device's ceiling for these files: the best time to read them with large blocks
+    and parallel readers. Each rank reads its 1/W span of the files with ``CEILING_THREADS`` threads
+    taking ``CEILING_BLOCK`` blocks in order. The bytes are discarded, so each thread reads into one
+    reused, touched block buffer rather than a span-sized one: the least memory work a read can do,
+    and no span-sized allocation raising the rank's memory."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    blocks = ceiling_blocks(folder)
+    free = queue.SimpleQueue()  # one buffer per thread: a block takes one and gives it back
+    for _ in range(CEILING_THREADS):
+        free.put(touched_buffer(CEILING_BLOCK))
+
+    def read_block(block) -> int:
+        fd, path, offset, n = block
+        buffer = free.get()
+        try:
+            return read_fully(fd, buffer[:n], offset, path)
+        finally:
+            free.put(buffer)
+
+    meter.begin("total")
+    meter.begin("load")
+    with descriptors() as fd_of:
+        opened = [(fd_of(path), path, offset, n) for path, offset, n in blocks]  # opened before the threads
+        with ThreadPoolExecutor(CEILING_THREADS) as pool:
+            read = sum(pool.map(read_block, opened))
+    meter.end("load")
+    meter.end("total")
+    return {"bytes_read": read, "verified": None}
+
+
+def dcp_state_dict(folder: str) -> dict:
+    """One DTensor per checkpoint tensor, in its dtype, sharded by rows (``Shard(0)``, as
+    ``torch.chunk`` splits them) over the world's ranks on the CPU; the local shards touched."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, empty
+
+    from zload import open_checkpoint
+    from zload.index import DTYPES
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with open_checkpoint(folder) as index:
+        entries = index.tensors
+    state_dict = {name: empty(e.shape, dtype=getattr(torch, DTYPES[e.dtype][0]), device_mesh=mesh,
+                              placements=[Shard(0)]) for name, e in entries.items()}
+    for tensor in state_dict.values():
+        tensor.to_local().fill_(0)
+    return state_dict
+
+
+def verify_row_shards(state_dict: dict, folder: str) -> dict:
+    """Every local shard holds the checkpoint's bytes of the rows ``Shard(0)`` gives this rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def shard_problem(dtensor, e, read) -> str | None:
+        local = dtensor.to_local()
+        rows, first = Shard.local_shard_size_and_offset(e.shape[0], world, rank)
+        if tuple(local.shape) != (rows, *e.shape[1:]):
+            return f"local shard {tuple(local.shape)}, expected {rows} rows"
+        row_bytes = e.nbytes // e.shape[0]
+        want = read(e, first * row_bytes, rows * row_bytes)
+        got = local.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return None if got == want else "local shard differs from the checkpoint"
+
+    return check_against_checkpoint(state_dict, folder, shard_problem)
+
+
+def dcp_load(folder: str, meter, args) -> dict:
+    """PyTorch DCP's reader for Hugging Face checkpoints into row-sharded DTensors, at its default
+    ``thread_count`` (1: its documented default, and the one a plain ``dcp.load`` user gets)."""
+    import torch.distributed.checkpoint as dcp
+
+    state_dict = dcp_state_dict(folder)  # the partitions exist before the load, as in every method
+    reader = dcp.HuggingFaceStorageReader(folder)
+    meter.begin("total")
+    meter.begin("load")
+    dcp.load(state_dict, storage_reader=reader)
+    meter.end("load")
+    meter.end("total")
+    verified = verify_row_shards(state_dict, folder) if args.verify else None
+    # Each rank memory-maps every file (safetensors' default backend), reads all the headers for the
+    # metadata, and copies its rows out of the mapping (then into its shard), one file at a time: it
+    # faults in its rows' pages, rounded out to pages and widened by the kernel's read-around. Counted
+    # here as its rows' bytes: from a cold cache (20 MB, W=2) the ranks together read the files
+    # about once, but a page shared by two ranks counts for whichever faulted first.
+    local = sum(t.to_local().nbytes for t in state_dict.values())
+    return {"bytes_read": local, "bytes_read_estimated": True, "verified": verified}
 
 
 def zload_load(folder: str, meter, args, use_init: bool) -> dict:
@@ -206,4 +357,6 @@ RUNNERS = {  # method -> what a worker runs: (checkpoint folder, Meter, args) ->
     "zload": lambda folder, meter, args: zload_load(folder, meter, args, use_init=False),
     "zload+init": lambda folder, meter, args: zload_load(folder, meter, args, use_init=True),
     "transformers": transformers_load,
+    "ceiling": ceiling,
+    "dcp": dcp_load,
 }

@@ -10,7 +10,12 @@ import socket
 import statistics
 import subprocess
 
-from . import MB, METHODS, REPO, SLACK, log
+from . import MB, METHODS, REPO, log
+
+UNTIMED_CONSTRUCT = ("floor", "ceiling", "dcp")  # their buffers or partitions are made before timing
+NO_CONSTRUCT_PLUS_LOAD = ("floor", "alloc-floor", "ceiling", "dcp")  # one timed step, no sum to show
+NO_COLLECTIVES = ("floor", "alloc-floor", "ceiling")
+READ_NOTES = {"transformers": " (rank 0 only)", "dcp": " (its rows, estimated)"}
 
 
 def _max(ranks, segment, key, default=None):
@@ -204,17 +209,16 @@ def markdown(data: dict) -> str:
     ]
     for e in data["results"]:
         m = e["median"]
-        read = fmt_mb(m.get("bytes_read")) + (" (rank 0 only)" if e["method"] == "transformers" else "")
-        floor = e["method"] in ("floor", "alloc-floor")
-        if floor:
+        read = fmt_mb(m.get("bytes_read")) + READ_NOTES.get(e["method"], "")
+        if e["method"] in NO_COLLECTIVES:
             coll = "0"
         else:
             coll = f"{_bytes(m.get('collective_received_load'))}; {_bytes(m.get('collective_received_total'))}"
-        construct_load = "–" if floor else fmt_s(m.get("total_s"))
+        construct_load = "–" if e["method"] in NO_CONSTRUCT_PLUS_LOAD else fmt_s(m.get("total_s"))
         gb_s = f"{m['load_gb_s']:.2f}" if "load_gb_s" in m else "–"
         lines.append(
             f"| {e['size']} ({e['checkpoint_bytes'] / MB:,.0f} MB) | {e['world']} | {e['method']} "
-            f"| {fmt_s(m.get('construct_s') if e['method'] != 'floor' else None)} | {fmt_s(m.get('load_s'))} "
+            f"| {fmt_s(None if e['method'] in UNTIMED_CONSTRUCT else m.get('construct_s'))} | {fmt_s(m.get('load_s'))} "
             f"| {construct_load} | {gb_s} | {fmt_mb(m.get('peak_rss'))} | {fmt_mb(m.get('construct_rss_growth'))} "
             f"| {fmt_mb(m.get('load_rss_growth'))} | "
             + (f"{fmt_mb(m.get('gpu_peak'))} | {fmt_mb(m.get('construct_gpu_growth'))} | " if gpu else "")
@@ -222,7 +226,8 @@ def markdown(data: dict) -> str:
     lines += ["", ("Columns: *construct s* is building the model (zero.Init or zload.init; for "
               "transformers the whole `from_pretrained` but its load step) or the allocation floor's "
               "allocate-and-touch; *load s* is zload's `load_into`, transformers' load step "
-              "(`_load_pretrained_model`, inside `from_pretrained`), or the floor's reads; "
+              "(`_load_pretrained_model`, inside `from_pretrained`), DCP's `dcp.load`, or the floor's or the "
+              "ceiling's reads; "
               "*construct + load s* is zero.Init / zload.init construction plus `load_into`, or the whole "
               "`from_pretrained`; *GB/s* is checkpoint bytes / load s. *Peak RSS* covers construct + load; "
               "*growth* is the peak during construction or the load minus the RSS when it began (for "
@@ -234,83 +239,8 @@ def markdown(data: dict) -> str:
               ""]
     if data.get("notes"):
         lines += [f"- {note}" for note in data["notes"]] + [""]
-    lines += ["Targets (world size 2):", ""] + [f"- {t}" for t in data.get("targets", [])]
+    lines += ["Targets (at world size 2 where no W is named):", ""] + [f"- {t}" for t in data.get("targets", [])]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def evaluate_targets(data: dict) -> list[str]:
-    out = []
-    limit = data["staging_bytes"] + SLACK
-    by_key = {(e["size"], e["world"], e["method"]): e for e in data["results"]}
-    for size in [s["size"] for s in data["checkpoints"]]:
-        z = by_key.get((size, 2, "zload"))
-        if not z:
-            continue
-        zi = by_key.get((size, 2, "zload+init"))
-        t = by_key.get((size, 2, "transformers"))
-        f = by_key.get((size, 2, "floor"))
-        zl = z["median"]["load_s"]
-        if t:
-            ratio = t["median"]["load_s"] / zl
-            ratio_total = t["median"]["total_s"] / z["median"]["total_s"]
-            extra = ""
-            if zi:
-                extra = (f"; from_pretrained {fmt_s(t['median']['total_s'])} s vs zload.init + load_into "
-                         f"{fmt_s(zi['median']['total_s'])} s = "
-                         f"{t['median']['total_s'] / zi['median']['total_s']:.1f}x")
-            out.append(f"{size}: zload load >= 5x faster than transformers' load step: "
-                       f"{'MET' if ratio >= 5 else 'NOT MET'} ({fmt_s(t['median']['load_s'])} s vs {fmt_s(zl)} s = "
-                       f"{ratio:.1f}x; construct + load: from_pretrained vs zero.Init + load_into "
-                       f"{ratio_total:.1f}x{extra})")
-        if f:
-            ratio = zl / f["median"]["load_s"]
-            again = z["median"].get("reload_s")
-            again = (f"; diagnostic: a second load_into in the same process {fmt_s(again)} s = "
-                     f"{again / f['median']['load_s']:.2f}x the floor") if again else ""
-            out.append(f"{size}: zload load within 1.3x of the I/O floor: "
-                       f"{'MET' if ratio <= 1.3 else 'NOT MET'} ({fmt_s(zl)} s vs {fmt_s(f['median']['load_s'])} s"
-                       f" = {ratio:.2f}x{again})")
-        a = by_key.get((size, 2, "alloc-floor"))
-        if zi and a:
-            out += _construction_targets(size, zi["median"], a["median"], f and f["median"], t and t["median"])
-        worst = z["median"]["max_load_rss_growth"]
-        out.append(f"{size}: zload RSS growth during the load <= staging "
-                   f"({data['staging_bytes'] / 2**20:.0f} MiB) + 64 MB = {limit / MB:.0f} MB: "
-                   f"{'MET' if worst <= limit else 'NOT MET'} (worst rank of the worst run {worst / MB:.1f} MB)")
-        if zi:  # zload.init's partitions are first touched by the load's writes: count them once
-            worst, parts = zi["median"]["max_total_rss_growth"], zi["median"]["partition_bytes"]
-            out.append(f"{size}: zload+init RSS growth over construct + load <= this rank's partitions "
-                       f"({parts / MB:,.0f} MB) + staging + 64 MB = {(parts + limit) / MB:,.0f} MB: "
-                       f"{'MET' if worst <= parts + limit else 'NOT MET'} (worst rank of the worst run "
-                       f"{worst / MB:,.1f} MB)")
-    return out
-
-
-def _construction_targets(size, init, alloc, floor, transformers) -> list[str]:
-    """zload.init's targets: construction near the allocation floor, construct + load near both
-    floors, far ahead of from_pretrained, and no more memory than this rank's partitions."""
-    def verdict(ok):
-        return "MET" if ok else "NOT MET"
-
-    out = []
-    ratio = init["construct_s"] / alloc["construct_s"]
-    out.append(f"{size}: zload.init construction <= 1.5x the allocation floor: {verdict(ratio <= 1.5)} "
-               f"({fmt_s(init['construct_s'])} s vs {fmt_s(alloc['construct_s'])} s = {ratio:.2f}x)")
-    if floor:
-        both = floor["load_s"] + alloc["construct_s"]
-        ratio = init["total_s"] / both
-        out.append(f"{size}: zload.init + load_into <= 2.5x (I/O floor + allocation floor): "
-                   f"{verdict(ratio <= 2.5)} ({fmt_s(init['total_s'])} s vs {fmt_s(both)} s = {ratio:.2f}x)")
-    if transformers:
-        ratio = transformers["total_s"] / init["total_s"]
-        out.append(f"{size}: zload.init + load_into >= 8x faster than from_pretrained under ZeRO-3: "
-                   f"{verdict(ratio >= 8)} ({fmt_s(transformers['total_s'])} s vs {fmt_s(init['total_s'])} s = "
-                   f"{ratio:.1f}x)")
-    worst, limit = init["max_construct_rss_growth"], init["partition_bytes"] + SLACK
-    out.append(f"{size}: zload.init RSS growth during construction <= this rank's partitions "
-               f"({init['partition_bytes'] / MB:,.0f} MB) + 64 MB: {verdict(worst <= limit)} (worst rank of "
-               f"the worst run {worst / MB:,.1f} MB)")
-    return out
 
 
 def plot(data: dict, path: str) -> None:
@@ -321,8 +251,8 @@ def plot(data: dict, path: str) -> None:
 
     sizes = [s["size"] for s in data["checkpoints"]]
     fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 3.8 * len(sizes)), squeeze=False)
-    colors = {"floor": "tab:gray", "alloc-floor": "tab:olive", "zload": "tab:blue", "zload+init": "tab:green",
-              "transformers": "tab:red"}
+    colors = {"floor": "tab:gray", "ceiling": "black", "alloc-floor": "tab:olive", "zload": "tab:blue",
+              "zload+init": "tab:green", "dcp": "tab:purple", "transformers": "tab:red"}
     for row, size in zip(axes, sizes):
         entries = [e for e in data["results"] if e["size"] == size]
         for method in METHODS:
@@ -336,7 +266,7 @@ def plot(data: dict, path: str) -> None:
             else:
                 row[0].plot(ws, [e["median"]["load_s"] for e in es], "o-", color=colors[method],
                             label=f"{method}: load" + (" step" if method == "transformers" else ""))
-            if method not in ("floor", "alloc-floor"):
+            if method not in NO_CONSTRUCT_PLUS_LOAD:
                 row[0].plot(ws, [e["median"]["total_s"] for e in es], "s--", color=colors[method],
                             alpha=0.6, label=f"{method}: construct + load")
             row[1].plot(ws, [e["median"]["peak_rss"] / MB for e in es], "o-", color=colors[method],

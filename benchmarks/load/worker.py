@@ -19,7 +19,9 @@ class CommCounter:
 
     Installed before DeepSpeed is imported, so the functions DeepSpeed captures are the counted ones.
     An all-gather counts output - input, a broadcast the tensor on every rank but the source, an
-    all-reduce the tensor once (nominal), a reduce-scatter input - output, a recv its tensor.
+    all-reduce the tensor once (nominal), a reduce-scatter input - output, a recv its tensor, a
+    gather its list less the destination's own tensor (on the destination), a scatter the tensor on
+    every rank but the source (DCP exchanges its plans by gather and scatter).
     """
 
     def __init__(self):
@@ -50,6 +52,9 @@ class CommCounter:
             "all_reduce": lambda a: nbytes(a["tensor"]),
             "reduce_scatter_tensor": lambda a: nbytes(a["input"]) - nbytes(a["output"]),
             "all_to_all_single": lambda a: nbytes(a["output"]),
+            "gather": lambda a: sum(nbytes(t) for t in a.get("gather_list") or []) - (
+                nbytes(a["tensor"]) if a.get("gather_list") else 0),
+            "scatter": lambda a: 0 if a.get("scatter_list") else nbytes(a["tensor"]),
             "recv": lambda a: nbytes(a["tensor"]),
             "irecv": lambda a: nbytes(a["tensor"]),
         }

@@ -1,0 +1,108 @@
+"""The targets: each a line saying what is asked, MET or NOT MET, and the numbers behind it.
+"""
+
+from __future__ import annotations
+
+from . import MB, SLACK
+from .report import fmt_s
+
+
+def met(ok: bool) -> str:
+    return "MET" if ok else "NOT MET"
+
+
+def evaluate_targets(data: dict) -> list[str]:
+    out = []
+    limit = data["staging_bytes"] + SLACK
+    by_key = {(e["size"], e["world"], e["method"]): e for e in data["results"]}
+    for size in [s["size"] for s in data["checkpoints"]]:
+        z = by_key.get((size, 2, "zload"))
+        if not z:
+            continue
+        zi = by_key.get((size, 2, "zload+init"))
+        t = by_key.get((size, 2, "transformers"))
+        f = by_key.get((size, 2, "floor"))
+        zl = z["median"]["load_s"]
+        if t:
+            ratio = t["median"]["load_s"] / zl
+            ratio_total = t["median"]["total_s"] / z["median"]["total_s"]
+            extra = ""
+            if zi:
+                extra = (f"; from_pretrained {fmt_s(t['median']['total_s'])} s vs zload.init + load_into "
+                         f"{fmt_s(zi['median']['total_s'])} s = "
+                         f"{t['median']['total_s'] / zi['median']['total_s']:.1f}x")
+            out.append(f"{size}: zload load >= 5x faster than transformers' load step: "
+                       f"{'MET' if ratio >= 5 else 'NOT MET'} ({fmt_s(t['median']['load_s'])} s vs {fmt_s(zl)} s = "
+                       f"{ratio:.1f}x; construct + load: from_pretrained vs zero.Init + load_into "
+                       f"{ratio_total:.1f}x{extra})")
+        if f:
+            ratio = zl / f["median"]["load_s"]
+            again = z["median"].get("reload_s")
+            again = (f"; diagnostic: a second load_into in the same process {fmt_s(again)} s = "
+                     f"{again / f['median']['load_s']:.2f}x the floor") if again else ""
+            out.append(f"{size}: zload load within 1.3x of the I/O floor: "
+                       f"{'MET' if ratio <= 1.3 else 'NOT MET'} ({fmt_s(zl)} s vs {fmt_s(f['median']['load_s'])} s"
+                       f" = {ratio:.2f}x{again})")
+        a = by_key.get((size, 2, "alloc-floor"))
+        if zi and a:
+            out += _construction_targets(size, zi["median"], a["median"], f and f["median"], t and t["median"])
+        worst = z["median"]["max_load_rss_growth"]
+        out.append(f"{size}: zload RSS growth during the load <= staging "
+                   f"({data['staging_bytes'] / 2**20:.0f} MiB) + 64 MB = {limit / MB:.0f} MB: "
+                   f"{'MET' if worst <= limit else 'NOT MET'} (worst rank of the worst run {worst / MB:.1f} MB)")
+        if zi:  # zload.init's partitions are first touched by the load's writes: count them once
+            worst, parts = zi["median"]["max_total_rss_growth"], zi["median"]["partition_bytes"]
+            out.append(f"{size}: zload+init RSS growth over construct + load <= this rank's partitions "
+                       f"({parts / MB:,.0f} MB) + staging + 64 MB = {(parts + limit) / MB:,.0f} MB: "
+                       f"{'MET' if worst <= parts + limit else 'NOT MET'} (worst rank of the worst run "
+                       f"{worst / MB:,.1f} MB)")
+    return out + _dcp_and_ceiling_targets(data, by_key)
+
+
+def _construction_targets(size, init, alloc, floor, transformers) -> list[str]:
+    """zload.init's targets: construction near the allocation floor, construct + load near both
+    floors, far ahead of from_pretrained, and no more memory than this rank's partitions."""
+    out = []
+    ratio = init["construct_s"] / alloc["construct_s"]
+    out.append(f"{size}: zload.init construction <= 1.5x the allocation floor: {met(ratio <= 1.5)} "
+               f"({fmt_s(init['construct_s'])} s vs {fmt_s(alloc['construct_s'])} s = {ratio:.2f}x)")
+    if floor:
+        both = floor["load_s"] + alloc["construct_s"]
+        ratio = init["total_s"] / both
+        out.append(f"{size}: zload.init + load_into <= 2.5x (I/O floor + allocation floor): "
+                   f"{met(ratio <= 2.5)} ({fmt_s(init['total_s'])} s vs {fmt_s(both)} s = {ratio:.2f}x)")
+    if transformers:
+        ratio = transformers["total_s"] / init["total_s"]
+        out.append(f"{size}: zload.init + load_into >= 8x faster than from_pretrained under ZeRO-3: "
+                   f"{met(ratio >= 8)} ({fmt_s(transformers['total_s'])} s vs {fmt_s(init['total_s'])} s = "
+                   f"{ratio:.1f}x)")
+    worst, limit = init["max_construct_rss_growth"], init["partition_bytes"] + SLACK
+    out.append(f"{size}: zload.init RSS growth during construction <= this rank's partitions "
+               f"({init['partition_bytes'] / MB:,.0f} MB) + 64 MB: {met(worst <= limit)} (worst rank of "
+               f"the worst run {worst / MB:,.1f} MB)")
+    return out
+
+
+def _dcp_and_ceiling_targets(data: dict, by_key: dict) -> list[str]:
+    """zload against DCP and the device's ceiling, at every world size measured: from a cold page
+    cache, zload's load within 0.9x DCP's and at >= 85% of the ceiling's speed; warm, ahead of DCP."""
+    cold = data.get("page_cache") == "cold"
+    out = []
+    for (size, world, method), entry in by_key.items():
+        if method != "zload":
+            continue
+        dcp, ceiling = by_key.get((size, world, "dcp")), by_key.get((size, world, "ceiling"))
+        zl, label = entry["median"]["load_s"], f"{size} W={world}"
+        if dcp and cold:
+            dl = dcp["median"]["load_s"]
+            out.append(f"{label}, cold: zload load <= 0.9x DCP's: {met(zl <= 0.9 * dl)} ({fmt_s(zl)} s vs "
+                       f"{fmt_s(dl)} s = {zl / dl:.2f}x)")
+        if ceiling and cold:
+            cl = ceiling["median"]["load_s"]
+            out.append(f"{label}, cold: zload load at >= 85% of the device ceiling's speed: "
+                       f"{met(cl / zl >= 0.85)} (ceiling {fmt_s(cl)} s / zload {fmt_s(zl)} s = {cl / zl:.0%})")
+        if dcp and not cold:
+            dl = dcp["median"]["load_s"]
+            out.append(f"{label}, warm: zload load ahead of DCP's: {met(zl < dl)} ({fmt_s(zl)} s vs "
+                       f"{fmt_s(dl)} s = {zl / dl:.2f}x)")
+    return out
