@@ -19,6 +19,8 @@ import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from .pagecache import prefetch_if_uncached
+
 SAMPLE_WINDOWS = 64
 SAMPLE_BYTES = 512
 BLOCK_BYTES = 16 << 20
@@ -48,11 +50,15 @@ def sample_digests(files: list[tuple[int, int, int]]) -> list[str]:
     """For each ``(fd, data start, size)``: the SHA-256 of the sampled windows of its data.
 
     One thread: from the page cache, threads cost more than the few hundred small reads they
-    would share (measured: 1.1 ms for 13 files on one thread, 2.5 ms on two)."""
+    would share (measured: 1.1 ms for 13 files on one thread, 2.5 ms on two). From a cold cache
+    the windows are all hinted to the kernel first, so the device fetches them together rather
+    than one wait each."""
     digests = []
     for fd, data_start, size in files:
+        windows = sample_windows(data_start, size)
+        prefetch_if_uncached(fd, windows)
         digest = hashlib.sha256()
-        for offset, length in sample_windows(data_start, size):
+        for offset, length in windows:
             digest.update(_pread(fd, length, offset))
         digests.append(digest.hexdigest())
     return digests

@@ -1,0 +1,182 @@
+"""Reading from a cold page cache: spans the cache lacks are hinted to the kernel ahead of the
+reader (zload.pagecache), spans it holds never are, and what is read stays exactly the file's bytes.
+
+Files are evicted with ``posix_fadvise(DONTNEED)`` after an fsync, as the load benchmark's cold
+mode does without root; a file system that keeps the pages anyway skips the cold cases.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import zload.execute as execute_module
+import zload.pagecache as pagecache
+from zload import open_checkpoint
+from zload.digest import sample_digests, sample_windows
+from zload.execute import RangeReader, byte_view
+
+MB = 1 << 20
+
+
+def evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm(path) -> None:
+    with open(path, "rb") as f:
+        while f.read(MB):
+            pass
+
+
+@pytest.fixture
+def hints(monkeypatch):
+    """Every hint given, as (fd, offset, length), still passed on to the kernel."""
+    given, real = [], pagecache.prefetch
+    monkeypatch.setattr(pagecache, "prefetch", lambda *span: given.append(span) or real(*span))
+    return given
+
+
+@pytest.fixture
+def big_file(tmp_path):
+    """A 6 MB checkpoint of one float32 tensor, and its data."""
+    path = tmp_path / "big.safetensors"
+    data = torch.randn(6 * MB // 4)
+    save_file({"x": data}, str(path))
+    return path, data
+
+
+def skip_unless_evictable(path) -> None:
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if pagecache.cached(fd, 0, os.fstat(fd).st_size) is not False:
+            pytest.skip("this file system keeps the pages (or mincore is unavailable)")
+    finally:
+        os.close(fd)
+
+
+def test_cached_says_whether_a_spans_first_pages_are_resident(big_file):
+    path, _ = big_file
+    skip_unless_evictable(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert pagecache.cached(fd, 3 * MB + 5, 4096) is False
+        os.pread(fd, 2 * MB, 3 * MB)
+        assert pagecache.cached(fd, 3 * MB + 5, 100_000) is True
+        assert pagecache.cached(fd, 0, 4096) is False  # other pages stay as they were
+    finally:
+        os.close(fd)
+
+
+def read_in_quarters(path, data) -> list[tuple[int, int]]:
+    """Read the tensor's four quarters (the strided ranges of one rank, say) through a RangeReader,
+    check every byte, and return the quarters' (offset, length) in the file."""
+    index = open_checkpoint(path)
+    entry = index.tensors["x"]
+    out = torch.zeros_like(data)
+    view, quarter = byte_view(out), entry.nbytes // 4
+    try:
+        with RangeReader(index.opened) as reader:
+            reader.read([(entry.file, entry.start + q * quarter, view[q * quarter:(q + 1) * quarter])
+                         for q in (0, 2, 1, 3)])
+    finally:
+        index.close()
+    assert torch.equal(out, data)
+    return [(entry.start + q * quarter, quarter) for q in range(4)]
+
+
+def test_a_cold_read_is_hinted_ahead_of_the_reader(big_file, hints, monkeypatch):
+    path, data = big_file
+    skip_unless_evictable(path)
+    real_read = execute_module._read_run
+
+    def unhurried(run):  # so that a busy machine cannot let the reader pass the hinter
+        time.sleep(0.05)
+        return real_read(run)
+
+    monkeypatch.setattr(execute_module, "_read_run", unhurried)
+    monkeypatch.setattr(execute_module, "reader_count", lambda: 1)
+    quarters = read_in_quarters(path, data)
+    assert sorted((offset, length) for _, offset, length in hints) == quarters
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+def test_a_warm_read_gives_no_hint(big_file, hints, monkeypatch, readers):
+    path, data = big_file
+    warm(path)
+    monkeypatch.setattr(execute_module, "reader_count", lambda: readers)
+    read_in_quarters(path, data)
+    assert hints == []
+
+
+def test_a_rank_with_two_reader_threads_gives_no_hint(big_file, hints, monkeypatch):
+    """Its readers keep two requests in flight already; hints beside them made cold loads slower."""
+    path, data = big_file
+    skip_unless_evictable(path)
+    monkeypatch.setattr(execute_module, "reader_count", lambda: 2)
+    read_in_quarters(path, data)
+    assert hints == []
+
+
+def test_read_ahead_stays_within_its_window_and_skips_what_the_reader_passed(monkeypatch):
+    """Spans of 10 bytes, a window of 25: hints go three spans ahead of the reader, and spans the
+    reader has already reached are not hinted any more."""
+    given = []
+    monkeypatch.setattr(pagecache, "cached", lambda fd, offset, length: False)
+    monkeypatch.setattr(pagecache, "prefetch", lambda fd, offset, length: given.append(offset))
+
+    def settled(expected):
+        deadline = time.monotonic() + 5
+        while given != expected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # and nothing more follows
+        return given == expected
+
+    ahead = pagecache.ReadAhead(25)
+    try:
+        assert ahead.extend([(7, 10 * k, 10) for k in range(10)]) == 0
+        assert settled([0, 10, 20])
+        ahead.reached(5)
+        assert settled([0, 10, 20, 50, 60, 70])
+        assert ahead.extend([(7, 100, 10)]) == 10
+        ahead.reached(9)
+        assert settled([0, 10, 20, 50, 60, 70, 90, 100])
+    finally:
+        ahead.close()
+    assert not ahead.thread.is_alive()
+
+
+def test_sample_digests_hint_a_cold_files_windows_all_at_once(big_file, hints):
+    path, _ = big_file
+    index = open_checkpoint(path)
+    try:
+        opened = index.opened.get("big.safetensors")
+        files = [(opened.fd, opened.data_start, opened.identity.size)]
+        warm(path)
+        digest = sample_digests(files)
+        assert hints == []
+        skip_unless_evictable(path)
+        assert sample_digests(files) == digest
+        windows = sample_windows(opened.data_start, opened.identity.size)
+        assert [(offset, length) for _, offset, length in hints] == windows
+    finally:
+        index.close()
+
+
+def test_hints_never_block_a_read_when_mincore_is_unavailable(big_file, hints, monkeypatch):
+    """Where mincore cannot be called (not Linux), nothing is hinted and reads work as before."""
+    path, data = big_file
+    monkeypatch.setattr(pagecache, "_LIBC", None)
+    evict(path)
+    read_in_quarters(path, data)
+    assert hints == []
