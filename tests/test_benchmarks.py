@@ -167,7 +167,23 @@ def test_cold_load_benchmark_empties_the_page_cache_before_each_measurement(cach
         assert data["page_cache"] == name
         resident = [run["page_cache_resident"] for e in data["results"] for run in e["runs"]]
         assert len(resident) == 4 and all(fits(r) for r in resident), (name, resident)
-        assert ("emptied" in (tmp_path / f"load-{name}.md").read_text()) == (name == "cold")
+        table = (tmp_path / f"load-{name}.md").read_text()
+        assert ("emptied" in table) == (name == "cold") and f"page cache {name} (" in table
+
+
+def test_cold_reads_benchmark_times_each_strategy_from_an_empty_cache(cache, tmp_path):
+    run_module("benchmarks.cold_reads", "--size", SIZE, "--world", "1", "2", "--rounds", "1", "--cache", cache,
+               "--strategies", "sequential", "hinted", "O_DIRECT", "contiguous 1/W", "--out", tmp_path,
+               "--name", "t")
+    data = json.loads((tmp_path / "cold-reads-t.json").read_text())
+    assert data["highest_residency_before"] is None or data["highest_residency_before"] <= 0.1
+    assert {(r["world"], r["strategy"]) for r in data["rows"]} == {
+        (w, s) for w in (1, 2) for s in ("sequential", "hinted", "O_DIRECT", "contiguous 1/W")}
+    assert all(r["median"] > 0 for r in data["rows"])
+    read = {(r["world"], r["strategy"]): r["bytes_read"] for r in data["rows"]}
+    assert read[1, "contiguous 1/W"] == read[2, "contiguous 1/W"] == data["bytes"]  # every file byte once
+    assert read[1, "sequential"] == read[2, "sequential"] == read[2, "hinted"] == read[2, "O_DIRECT"] < data["bytes"]
+    assert "| O_DIRECT |" in (tmp_path / "cold-reads-t.md").read_text()
 
 
 def test_load_benchmark_modules_stay_small():

@@ -199,7 +199,7 @@ def markdown(data: dict) -> str:
         + f"; torch {host['torch']}, deepspeed {host.get('deepspeed')}, transformers "
         f"{host.get('transformers')}, zload {host.get('zload')} ({host.get('zload_commit', '?')}).",
         f"Backend {data['backend']}; load_into(verify={data.get('load_verify', 'sample')!r}); "
-        f"page cache warm ({_residency(data)}). Median of the runs shown; each run is a fresh world; every number is the max over ranks.",
+        f"page cache {data.get('page_cache', 'warm')} ({_residency(data)}). Median of the runs shown; each run is a fresh world; every number is the max over ranks.",
         "",
         ("| checkpoint | W | method | construct s | load s | construct + load s | load GB/s "
          "| peak RSS / rank MB | RSS growth in construct MB | RSS growth in load MB | "
@@ -288,7 +288,7 @@ def plot(data: dict, path: str) -> None:
     host = data["host"]
     fig.suptitle(f"zload load benchmark: {host['cpu']}, {host['cpu_cores_usable']} cores"
                  + (f", {host.get('gpu_count')}x {host['gpu']}" if host.get("gpu") else "")
-                 + f", {data['backend']}, warm page cache", fontsize=10)
+                 + f", {data['backend']}, {data.get('page_cache', 'warm')} page cache", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
