@@ -171,6 +171,31 @@ def test_cold_load_benchmark_empties_the_page_cache_before_each_measurement(cach
         assert ("emptied" in table) == (name == "cold") and f"page cache {name} (" in table
 
 
+def test_plot_shows_seconds_and_throughput_against_size_with_the_speed_up(tmp_path, monkeypatch):
+    """Per world size: a log-log seconds panel with a line per method and zload's speed-up over
+    transformers written at each size, and a throughput panel with the floor."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from benchmarks.load.report import plot
+
+    def entry(method, world, nbytes, load_s, total_s):
+        return {"size": f"{nbytes // 10**6}MB", "checkpoint_bytes": nbytes, "world": world, "method": method,
+                "median": {"load_s": load_s, "total_s": total_s}}
+
+    results = [entry(m, w, n, load * n / 1e9, total and total * n / 1e9) for w in (1, 2) for n in (3 * 10**8, 12 * 10**8)
+               for m, load, total in (("floor", 0.1, None), ("zload", 0.2, 1.0), ("zload+init", 0.2, 0.5),
+                                      ("transformers", 2.0, 4.0))]
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **k: saved.append(fig))
+    plot({"results": results, "backend": "gloo", "host": {"cpu": "x", "cpu_cores_usable": 2}}, str(tmp_path / "p.png"))
+    (fig,) = saved
+    seconds, throughput = fig.axes[0], fig.axes[1]
+    assert len(fig.axes) == 4 and seconds.get_xscale() == seconds.get_yscale() == "log"
+    assert sorted(t.get_text() for t in seconds.texts) == ["10.0x", "10.0x", "8.0x", "8.0x"]
+    assert {line.get_label() for line in throughput.lines} == {"floor", "zload", "transformers"}
+
+
 def test_cold_reads_benchmark_times_each_strategy_from_an_empty_cache(cache, tmp_path):
     run_module("benchmarks.cold_reads", "--size", SIZE, "--world", "1", "2", "--rounds", "1", "--cache", cache,
                "--strategies", "sequential", "hinted", "O_DIRECT", "contiguous 1/W", "--out", tmp_path,

@@ -10,7 +10,7 @@ import socket
 import statistics
 import subprocess
 
-from . import MB, METHODS, REPO, log
+from . import MB, REPO, log
 
 UNTIMED_CONSTRUCT = ("floor", "ceiling", "dcp")  # their buffers or partitions are made before timing
 NO_CONSTRUCT_PLUS_LOAD = ("floor", "alloc-floor", "ceiling", "dcp")  # one timed step, no sum to show
@@ -243,55 +243,64 @@ def markdown(data: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+LOAD_LINES = ("floor", "ceiling", "zload", "dcp", "transformers")  # their load step, solid
+TOTAL_LINES = ("zload+init", "transformers")  # construct + load, dashed
+COLORS = {"floor": "tab:gray", "ceiling": "black", "zload": "tab:blue", "zload+init": "tab:green",
+          "dcp": "tab:purple", "transformers": "tab:red"}
+
+
 def plot(data: dict, path: str) -> None:
+    """Per world size: seconds against checkpoint size (log-log, a line per method; zload+init and
+    transformers also as construct + load), and load throughput against the I/O floor's, with
+    zload's speed-up over transformers written at each size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    sizes = [s["size"] for s in data["checkpoints"]]
-    fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 3.8 * len(sizes)), squeeze=False)
-    colors = {"floor": "tab:gray", "ceiling": "black", "alloc-floor": "tab:olive", "zload": "tab:blue",
-              "zload+init": "tab:green", "dcp": "tab:purple", "transformers": "tab:red"}
-    for row, size in zip(axes, sizes):
-        entries = [e for e in data["results"] if e["size"] == size]
-        for method in METHODS:
-            es = sorted((e for e in entries if e["method"] == method), key=lambda e: e["world"])
-            if not es:
+    worlds = sorted({e["world"] for e in data["results"]})
+    fig, axes = plt.subplots(len(worlds), 2, figsize=(12, 4.2 * len(worlds)), squeeze=False)
+    for (seconds, throughput), world in zip(axes, worlds):
+        by_method = {}
+        for e in sorted((e for e in data["results"] if e["world"] == world), key=lambda e: e["checkpoint_bytes"]):
+            by_method.setdefault(e["method"], []).append(e)
+        for method, key, style in ([(m, "load_s", "o-") for m in LOAD_LINES]
+                                   + [(m, "total_s", "s--") for m in TOTAL_LINES]):
+            points = [(e["checkpoint_bytes"] / 1e9, e["median"].get(key)) for e in by_method.get(method, [])]
+            points = [(gb, s) for gb, s in points if s]
+            if not points:
                 continue
-            ws = [e["world"] for e in es]
-            if method == "alloc-floor":
-                row[0].plot(ws, [e["median"]["construct_s"] for e in es], "^-", color=colors[method],
-                            label=f"{method}: construct")
-            else:
-                row[0].plot(ws, [e["median"]["load_s"] for e in es], "o-", color=colors[method],
-                            label=f"{method}: load" + (" step" if method == "transformers" else ""))
-            if method not in NO_CONSTRUCT_PLUS_LOAD:
-                row[0].plot(ws, [e["median"]["total_s"] for e in es], "s--", color=colors[method],
-                            alpha=0.6, label=f"{method}: construct + load")
-            row[1].plot(ws, [e["median"]["peak_rss"] / MB for e in es], "o-", color=colors[method],
-                        label=f"{method}: peak")
-            if method != "alloc-floor":
-                row[1].plot(ws, [e["median"]["load_rss_growth"] / MB for e in es], "v:", color=colors[method],
-                            alpha=0.7, label=f"{method}: growth in load")
-        nbytes = entries[0]["checkpoint_bytes"] if entries else 0
-        row[0].set_title(f"{size} bf16 checkpoint ({nbytes / MB:,.0f} MB): seconds")
-        row[0].set_yscale("log")
-        row[0].set_ylabel("seconds (median, slowest rank)")
-        row[1].set_title(f"{size}: RSS per rank (max over ranks)")
-        row[1].set_ylabel("MB")
-        for ax in row:
-            ax.set_xlabel("world size")
-            ax.set_xticks(sorted({e["world"] for e in entries}))
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+            what = "construct + load" if key == "total_s" else ("load step" if method == "transformers" else "load")
+            gbs, secs = zip(*points)
+            seconds.plot(gbs, secs, style, color=COLORS[method], label=f"{method}: {what}")
+            if key == "load_s":
+                throughput.plot(gbs, [gb / s for gb, s in points], style, color=COLORS[method],
+                                linewidth=3 if method == "floor" else 1.5, label=method)
+        for zload, slow, key in (("zload", "transformers", "load_s"), ("zload+init", "transformers", "total_s")):
+            fast = {e["size"]: e for e in by_method.get(zload, [])}
+            for e in by_method.get(slow, []):
+                mine = fast.get(e["size"])
+                if mine and mine["median"].get(key) and e["median"].get(key):
+                    seconds.annotate(f"{e['median'][key] / mine['median'][key]:.1f}x", (e["checkpoint_bytes"] / 1e9,
+                                     mine["median"][key]), textcoords="offset points", xytext=(6, -12),
+                                     fontsize=8, color=COLORS[zload])
+        seconds.set(xscale="log", yscale="log", xlabel="checkpoint GB", ylabel="seconds (median, slowest rank)",
+                    title=f"W={world}: seconds (labels: zload's speed-up over transformers)")
+        throughput.set(xscale="log", xlabel="checkpoint GB", ylabel="GB/s (checkpoint bytes / load s)",
+                       title=f"W={world}: load throughput; thick grey: the I/O floor")
+        sizes = sorted({e["checkpoint_bytes"] / 1e9 for es in by_method.values() for e in es})
+        for ax in (seconds, throughput):
+            ax.set_xticks(sizes, [f"{gb:.2g}" for gb in sizes])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     host = data["host"]
     fig.suptitle(f"zload load benchmark: {host['cpu']}, {host['cpu_cores_usable']} cores"
                  + (f", {host.get('gpu_count')}x {host['gpu']}" if host.get("gpu") else "")
                  + f", {data['backend']}, {data.get('page_cache', 'warm')} page cache", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_outputs(data: dict, stem: str) -> str:
