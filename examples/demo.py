@@ -157,6 +157,17 @@ def verify(model: nn.Module, folder: str) -> tuple[int, int, list[str]]:
     return n_params, n_buffers, failures
 
 
+def read_in_all(read: int, checkpoint: int) -> str:
+    """The bytes all ranks read together, against the checkpoint's size. Each rank reads only its
+    partition of each parameter, but every buffer whole, so with more than one rank the sum can
+    exceed the checkpoint: the line says why."""
+    line = f"{read / 1e6:.2f} MB read in all of a {checkpoint / 1e6:.2f} MB checkpoint"
+    if read > checkpoint:
+        line += (f" ({read - checkpoint:,} bytes more: each rank reads its partition of every parameter, "
+                 "but every buffer whole)")
+    return line
+
+
 def rank_main(folder: str) -> int:
     import contextlib
     import io
@@ -192,8 +203,7 @@ def rank_main(folder: str) -> int:
     dist.all_reduce(reads)
     if rank == 0:
         print(f"load: {seconds:.3f} s on {world} ranks (slowest rank, barrier to barrier); "
-              f"{reads.item() / 1e6:.2f} MB read in all of a {report.checkpoint_bytes / 1e6:.2f} MB "
-              "checkpoint", flush=True)
+              f"{read_in_all(reads.item(), report.checkpoint_bytes)}", flush=True)
 
     n_params, n_buffers, failures = verify(model, folder)
     failed = torch.tensor([len(failures)], dtype=torch.int64)

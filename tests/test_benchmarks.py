@@ -11,12 +11,14 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks import gpu_check
+from benchmarks.load.launch import scratch_folders
 from benchmarks.load.report import write_outputs
 from benchmarks.load.targets import evaluate_targets
 from zload.kernels.torch_scatter import scatter_cast_torch
@@ -31,11 +33,29 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("bench-cache")
 
 
-def run_module(module: str, *args, env=None) -> None:
-    """``python -m module args`` from the repository root; it must succeed."""
-    done = subprocess.run([sys.executable, "-m", module, *map(str, args)], check=False, cwd=REPO,
-                          text=True, capture_output=True, timeout=600, env={**os.environ, **(env or {})})
+def run_module(tmp_path: Path, module: str, *args, env=None) -> None:
+    """``python -m module args`` from the repository root; it must succeed and leave none of its
+    temporary folders behind (in ``tmp_path/tmp``, its TMPDIR)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
+    done = subprocess.run([sys.executable, "-m", module, *map(str, args)], check=False, cwd=REPO, text=True,
+                          capture_output=True, timeout=600, env={**os.environ, **(env or {}), "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not list(scratch.glob("zload-bench-*"))
+
+
+def test_scratch_folders_go_but_for_the_logs_of_a_failed_run(tmp_path, monkeypatch):
+    """The zload snapshot always goes; the worlds' logs stay when the run fails, since its error
+    names them."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with scratch_folders() as (snapshot, logs):
+        assert os.path.isfile(os.path.join(snapshot, "zload", "__init__.py")) and os.path.isdir(logs)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(RuntimeError, match="a world failed"):
+        with scratch_folders() as (snapshot, logs):
+            Path(logs, "w2.log").write_text("what the world printed")
+            raise RuntimeError("a world failed")
+    assert list(tmp_path.iterdir()) == [Path(logs)] and Path(logs, "w2.log").exists()
 
 
 @pytest.mark.parametrize("launch", ["own worlds", "torchrun"])
@@ -47,10 +67,10 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch, mo
     without matplotlib (as on a GPU machine's image) the table still is."""
     args = ["--size", SIZE, "--runs", "1", "--cache", cache, "--out", tmp_path, "--name", "smoke"]
     if launch == "torchrun":
-        run_module("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+        run_module(tmp_path, "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                    "benchmarks.load", *args)
     else:
-        run_module("benchmarks.load", "--world", "2", *args)
+        run_module(tmp_path, "benchmarks.load", "--world", "2", *args)
     data = json.loads((tmp_path / "load-smoke.json").read_text())
     runs = {r["method"]: r["runs"][0] for r in data["results"] if r["world"] == 2}
     assert set(runs) == {"floor", "ceiling", "alloc-floor", "zload", "zload+init", "dcp", "transformers"}
@@ -83,7 +103,7 @@ def test_load_benchmark_compares_with_dcp_and_the_device_ceiling(cache, tmp_path
     """DCP's Hugging Face reader leaves every rank's rows of every tensor, bit for bit, and reads
     (by estimate) just those rows; the ceiling reads the files once over the ranks, in equal shares,
     across file boundaries; DCP's plan exchange shows in the collectives."""
-    run_module("benchmarks.load", "--world", "2", "--size", SIZE, "--shard-size", "8MB", "--runs", "1",
+    run_module(tmp_path, "benchmarks.load", "--world", "2", "--size", SIZE, "--shard-size", "8MB", "--runs", "1",
                "--methods", "floor", "dcp", "ceiling", "--cache", cache, "--out", tmp_path, "--name", "dcp")
     data = json.loads((tmp_path / "load-dcp.json").read_text())
     runs = {r["method"]: r["runs"][0] for r in data["results"]}
@@ -127,7 +147,7 @@ def test_gpu_check_smoke_run_on_cpu(cache, tmp_path):
     """``--device cpu``: the Triton kernel (interpreted) agrees with torch for every dtype pair,
     and the one-rank load is verified against the files."""
     pytest.importorskip("triton")
-    run_module("benchmarks.gpu_check", "--device", "cpu", "--size", SIZE, "--cache", cache,
+    run_module(tmp_path, "benchmarks.gpu_check", "--device", "cpu", "--size", SIZE, "--cache", cache,
                "--out", tmp_path, env={"TRITON_INTERPRET": "1"})
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert len(results["kernel_bit_exact"]) == 9 and all(results["kernel_bit_exact"].values())
@@ -160,8 +180,8 @@ def test_cold_load_benchmark_empties_the_page_cache_before_each_measurement(cach
     checked by the worker itself just before it starts; a warm run starts with all of it."""
     common = ["--world", "1", "--size", SIZE, "--runs", "2", "--methods", "floor", "zload", "--cache", cache,
               "--out", tmp_path, "--no-verify"]
-    run_module("benchmarks.load", *common, "--cold", "--name", "cold")
-    run_module("benchmarks.load", *common, "--name", "warm")
+    run_module(tmp_path, "benchmarks.load", *common, "--cold", "--name", "cold")
+    run_module(tmp_path, "benchmarks.load", *common, "--name", "warm")
     for name, fits in (("cold", lambda r: r <= 0.1), ("warm", lambda r: r >= 0.9)):
         data = json.loads((tmp_path / f"load-{name}.json").read_text())
         assert data["page_cache"] == name
@@ -197,9 +217,9 @@ def test_plot_shows_seconds_and_throughput_against_size_with_the_speed_up(tmp_pa
 
 
 def test_cold_reads_benchmark_times_each_strategy_from_an_empty_cache(cache, tmp_path):
-    run_module("benchmarks.cold_reads", "--size", SIZE, "--world", "1", "2", "--rounds", "1", "--cache", cache,
-               "--strategies", "sequential", "hinted", "O_DIRECT", "contiguous 1/W", "--out", tmp_path,
-               "--name", "t")
+    run_module(tmp_path, "benchmarks.cold_reads", "--size", SIZE, "--world", "1", "2", "--rounds", "1",
+               "--cache", cache, "--strategies", "sequential", "hinted", "O_DIRECT", "contiguous 1/W",
+               "--out", tmp_path, "--name", "t")
     data = json.loads((tmp_path / "cold-reads-t.json").read_text())
     assert data["highest_residency_before"] is None or data["highest_residency_before"] <= 0.1
     assert {(r["world"], r["strategy"]) for r in data["rows"]} == {

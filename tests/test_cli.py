@@ -125,6 +125,40 @@ def test_inspect_limits_the_table_unless_asked(capsys, sharded, state):
     assert len(run_json(capsys, "inspect", sharded, "--limit", 2)["tensors"]) == len(state)
 
 
+def test_no_tensors_leaves_out_the_more_line(capsys, sharded):
+    code, out, _ = run(capsys, "inspect", sharded, "--no-tensors")
+    assert code == 0 and "more" not in out and "--all" not in out
+
+
+def test_counts_of_one_are_singular(tmp_path, capsys):
+    report = zload.save(torch.nn.Linear(2, 1, bias=False), tmp_path / "one")
+    assert f"saved {tmp_path / 'one'} (1 file, " in str(report)
+    loaded = zload.load_into(torch.nn.Linear(2, 1, bias=False), tmp_path / "one")
+    assert str(loaded).startswith("zload: loaded 1 tensor from ")
+    assert run(capsys, "validate", tmp_path / "one")[1].endswith(" in 1 file)\n")
+
+
+def test_the_readme_synopsis_lists_every_option():
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Command line, progress and logging"):readme.index("## Performance")]
+    synopsis = section.split("```")[1]
+    for option in ("--json", "--limit N", "--all", "--no-tensors", "--world-size N", "-n N", "--full"):
+        assert option in synopsis, option
+
+
+def test_the_demo_says_why_the_ranks_read_more_than_the_checkpoint():
+    """At world size 3 the demo's ranks read its 1,016-byte buffer three times over."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", REPO / "examples" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    assert demo.read_in_all(28_040_000, 28_040_000) == "28.04 MB read in all of a 28.04 MB checkpoint"
+    assert demo.read_in_all(28_042_032, 28_040_000) == (
+        "28.04 MB read in all of a 28.04 MB checkpoint (2,032 bytes more: each rank reads its partition of "
+        "every parameter, but every buffer whole)")
+
+
 def test_inspect_single_file(capsys, single, state):
     summary = run_json(capsys, "inspect", single)
     assert len(summary["files"]) == 1

@@ -142,11 +142,71 @@ def test_local_path_with_revision_is_refused(tmp_path):
         zload.load_into(torch.nn.Module(), tmp_path, revision="main")
 
 
-@pytest.mark.parametrize("path", ["a/b/c/d", "no--such", "./missing.safetensors"])
-def test_missing_path_that_is_no_repo_id(cache, path):
-    with pytest.raises(zload.CheckpointNotFoundError,
-                       match="no such file or directory, and not a valid Hub repo id"):
+def refuse_the_hub(monkeypatch):
+    """Fail the test if huggingface_hub is asked for a snapshot (which could touch the network)."""
+    import huggingface_hub
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refused)
+
+
+@pytest.mark.parametrize("path", ["a/b/c/d", "no--such", "./missing.safetensors", "checkpoints/my-model/",
+                                  "~/checkpoints/my-model", "/no/such/checkpoint", "model.safetensors",
+                                  "weights.safetensors.index.json"])
+def test_missing_path_that_cannot_be_a_repo_id_is_a_local_error_only(cache, path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    refuse_the_hub(monkeypatch)
+    with pytest.raises(zload.CheckpointNotFoundError) as info:
         zload.load_into(torch.nn.Module(), path)
+    assert str(info.value) == f"no such local file or folder: {os.path.abspath(path)}: check the path"
+
+
+def test_missing_path_that_could_be_a_repo_id_names_both_readings(cache, tmp_path, monkeypatch):
+    """The README's own "checkpoints/my-model", offline and not cached: neither a local folder nor
+    a cached repo, and the error says both, and what to do about each."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(zload.CheckpointNotFoundError) as info:
+        zload.load_into(torch.nn.Module(), "checkpoints/my-model")
+    message = str(info.value)
+    assert f"no such local file or folder: {tmp_path / 'checkpoints' / 'my-model'}; " in message
+    assert (f"as a Hub repo id (revision main): not in the local cache {cache} and the Hub could not be "
+            f"reached (HF_HUB_OFFLINE=1 is set)") in message
+    assert "check the path" in message and "`hf download checkpoints/my-model`, or unset HF_HUB_OFFLINE" in message
+
+
+def test_unreachable_hub_names_both_readings(cache, monkeypatch):
+    """Online but without a network, huggingface_hub finds nothing cached and cannot ask the Hub."""
+    import huggingface_hub
+    import huggingface_hub.constants as constants
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    def no_network(*args, **kwargs):
+        raise LocalEntryNotFoundError("connection refused")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    with pytest.raises(zload.CheckpointNotFoundError) as info:
+        download("checkpoints/my-model", None)
+    message = str(info.value)
+    assert "no such local file or folder: " in message
+    assert "the Hub could not be reached (connection refused)" in message
+    assert "`hf download checkpoints/my-model`, or check the network" in message
+
+
+@pytest.mark.parametrize("path, both", [("checkpoints/my-model", True), ("checkpoints/my-model/", False)])
+def test_the_command_line_names_both_readings_too(tmp_path, path, both):
+    """``zload inspect`` as a user runs it, with HF_HUB_OFFLINE=1 and an empty HF_HOME."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env.pop("HF_HUB_CACHE", None)
+    done = subprocess.run([sys.executable, "-m", "zload", "inspect", path], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and not done.stdout and "Traceback" not in done.stderr
+    assert f"no such local file or folder: {tmp_path / 'checkpoints' / 'my-model'}" in done.stderr
+    assert ("as a Hub repo id (revision main): not in the local cache" in done.stderr) == both
+    assert ("Hub" in done.stderr) == both
 
 
 def test_without_huggingface_hub(monkeypatch):

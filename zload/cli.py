@@ -1,7 +1,7 @@
 """The ``zload`` command: look at a checkpoint before a job spends GPU hours loading it.
 
     zload inspect PATH [--json] [--limit N | --all | --no-tensors]
-    zload plan PATH --world-size N [--json]
+    zload plan PATH (--world-size N | -n N) [--json]
     zload validate PATH [--full]
 
 PATH is what ``load_into`` takes: a file, an index, a folder, or a Hub repo id (``--revision``),
@@ -27,6 +27,7 @@ from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorde
 from .errors import InvalidCheckpointError, ZloadError
 from .execute import reader_count
 from .index import CheckpointIndex
+from .report import plural
 from .targets import Partition
 
 DEFAULT_LIMIT = 50
@@ -119,20 +120,16 @@ def _table(rows: list[tuple], right: tuple[int, ...] = ()) -> list[str]:
             for row in rows]
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
 def render_inspect(summary: dict, limit: int | None) -> list[str]:
     """The text of ``zload inspect``; ``limit`` caps the tensor table (None: every tensor)."""
     lines = [f"source: {summary['source']}", f"files: {len(summary['files'])}"]
     lines += _table([(os.path.basename(f["path"]), human_bytes(f["bytes"]),
-                      _plural(f["tensors"], "tensor")) for f in summary["files"]], right=(1, 2))
+                      plural(f["tensors"], "tensor")) for f in summary["files"]], right=(1, 2))
     lines += [f"tensors: {summary['tensor_count']}",
               f"tensor bytes: {_exact(summary['tensor_bytes'])}",
               f"on disk: {_exact(summary['file_bytes'])}",
               "dtypes:"]
-    lines += _table([(dtype, _plural(d["tensors"], "tensor"), human_bytes(d["bytes"]))
+    lines += _table([(dtype, plural(d["tensors"], "tensor"), human_bytes(d["bytes"]))
                      for dtype, d in summary["dtypes"].items()], right=(1, 2))
     tensors = summary["tensors"]
     shown = tensors if limit is None else tensors[:limit]
@@ -142,7 +139,7 @@ def render_inspect(summary: dict, limit: int | None) -> list[str]:
         lines += _table([("name", "dtype", "shape", "size", "file")] +
                         [(t["name"], t["dtype"], str(t["shape"]), human_bytes(t["bytes"]),
                           os.path.basename(t["file"])) for t in shown], right=(3,))
-    if len(shown) < len(tensors):
+    if shown and len(shown) < len(tensors):  # --no-tensors (or --limit 0) asked for no list at all
         lines.append(f"  ... {len(tensors) - len(shown)} more (--all to list every tensor)")
     lines.append("valid: yes")
     return lines
@@ -163,7 +160,7 @@ def render_plan(summary: dict) -> list[str]:
     if largest is not None:
         lines.append(f"largest partition: {largest['name']} {_exact(largest['bytes'])} "
                      f"on rank {largest['rank']}")
-    lines.append(f"padding: {_plural(summary['padding_elements'], 'element')}")
+    lines.append(f"padding: {plural(summary['padding_elements'], 'element')}")
     return lines
 
 
@@ -241,11 +238,11 @@ def _run(args) -> int:
         except ZloadError as e:
             print(f"zload: invalid: {e}", file=sys.stderr)
             return 1
-        print(f"valid: {index.source} ({_plural(len(index.tensors), 'tensor')}, "
-              f"{human_bytes(index.total_bytes)} in {_plural(len(index.files), 'file')})")
+        print(f"valid: {index.source} ({plural(len(index.tensors), 'tensor')}, "
+              f"{human_bytes(index.total_bytes)} in {plural(len(index.files), 'file')})")
         if args.full:
-            print(f"data: {_plural(checked, 'file')} matched the digest zload.save recorded"
-                  + (f"; {_plural(unrecorded, 'file')} recorded none (not checked)" if unrecorded else ""))
+            print(f"data: {plural(checked, 'file')} matched the digest zload.save recorded"
+                  + (f"; {plural(unrecorded, 'file')} recorded none (not checked)" if unrecorded else ""))
         return 0
     with open_source(args.path, args.revision) as index:
         if args.command == "inspect":

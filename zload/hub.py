@@ -23,20 +23,19 @@ ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "a
 def download(path: str, revision: str | None) -> str:
     """The local snapshot folder of Hub repo ``path`` at ``revision``, downloaded if needed.
 
+    ``path`` names nothing local. When it could not be a repo id (an absolute path, ``./x``,
+    ``a/b/c``, a trailing slash, a ``.safetensors`` or ``.json`` name), this is said without asking
+    the Hub; when the Hub cannot find it either, the error gives both readings.
     Every rank of a job must call it (two small collectives). Any failure is a ``CheckpointError``
     naming the repo, the revision and what to do next, raised on every rank.
     """
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.utils import validate_repo_id
     except ImportError:
-        raise CheckpointNotFoundError(f"{path}: no such file or directory (to load it as a Hub repo id, "
-                                      f"install huggingface_hub)", path=path) from None
-    try:
-        validate_repo_id(path)
-    except ValueError:
-        raise CheckpointNotFoundError(f"{path}: no such file or directory, and not a valid Hub repo id "
-                                      f"('name' or 'org/name')", path=path) from None
+        raise CheckpointNotFoundError(f"{_no_local(path)}; to load it as a Hub repo id, install "
+                                      f"huggingface_hub", path=path) from None
+    if not _could_be_repo_id(path):
+        raise CheckpointNotFoundError(f"{_no_local(path)}: check the path", path=path)
 
     problems: list[Problem] = []
 
@@ -45,13 +44,13 @@ def download(path: str, revision: str | None) -> str:
             return snapshot_download(path, revision=revision, allow_patterns=ALLOW_PATTERNS,
                                      local_files_only=local_files_only)
         except Exception as e:  # every failure becomes one agreed CheckpointError
-            kind = CheckpointNotFoundError if _not_found(e) else CheckpointError
+            kind = CheckpointNotFoundError if _not_found(e, local_files_only) else CheckpointError
             problems.append(Problem.of(kind(_explain(e, path, revision, local_files_only), path=path)))
             return None
 
     _, world = rank_and_world()
     first = world == 1 or int(os.environ.get("LOCAL_RANK", "0")) == 0
-    what = f"cannot load Hub repo '{path}' (revision {revision or 'main'})"
+    what = f"cannot load '{path}'"
     local = fetch(False) if first else None
     agree(problems, what)  # the others wait here until their node's local rank 0 has downloaded
     if not first:
@@ -61,8 +60,26 @@ def download(path: str, revision: str | None) -> str:
     return local
 
 
+def _could_be_repo_id(path: str) -> bool:
+    """Whether huggingface_hub would take ``path`` for a repo id; a ``.safetensors`` or ``.json``
+    name is taken for a file, so that a mistyped file name never asks the Hub."""
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except ValueError:
+        return False
+    return not path.endswith((".safetensors", ".json"))
+
+
+def _no_local(path: str) -> str:
+    return f"no such local file or folder: {os.path.abspath(path)}"
+
+
 def _explain(e: Exception, repo: str, revision: str | None, local_files_only: bool) -> str:
-    """What went wrong with ``repo`` at ``revision`` and what to do about it (``agree`` names both)."""
+    """What went wrong with ``repo`` at ``revision`` and what to do about it (``agree`` heads it with
+    the path). Where neither a local path nor the Hub has it, both readings, since either may have
+    been meant."""
     from huggingface_hub import constants
     from huggingface_hub import utils as hf
 
@@ -72,6 +89,7 @@ def _explain(e: Exception, repo: str, revision: str | None, local_files_only: bo
         IncompleteSnapshotError = ()
     rev = revision or "main"
     download = f"`hf download {repo}" + (f" --revision {revision}`" if revision else "`")
+    both = f"{_no_local(repo)}; as a Hub repo id (revision {rev}): "
     if isinstance(e, IncompleteSnapshotError):
         return f"the cached snapshot is incomplete: complete it with {download} online"
     if isinstance(e, (hf.LocalEntryNotFoundError, hf.OfflineModeIsEnabled)):
@@ -79,18 +97,17 @@ def _explain(e: Exception, repo: str, revision: str | None, local_files_only: bo
             return (f"local rank 0 downloaded it, but this process does not find it in "
                     f"its cache {constants.HF_HUB_CACHE}: all processes of a node must share "
                     f"HF_HUB_CACHE (or HF_HOME)")
-        if constants.HF_HUB_OFFLINE:
-            return (f"no such local path, this revision is not in the local cache "
-                    f"{constants.HF_HUB_CACHE}, and HF_HUB_OFFLINE=1 is set: download it first "
-                    f"with {download}, or unset HF_HUB_OFFLINE")
-        return (f"not in the local cache {constants.HF_HUB_CACHE} and the Hub cannot be "
-                f"reached ({e}): check the network, or download it first with {download}")
+        offline = constants.HF_HUB_OFFLINE
+        return (f"{both}not in the local cache {constants.HF_HUB_CACHE} and the Hub could not be reached "
+                f"({'HF_HUB_OFFLINE=1 is set' if offline else e}). If it is a local checkpoint, check the "
+                f"path; if it is a repo id, download it first with {download}"
+                + (", or unset HF_HUB_OFFLINE" if offline else ", or check the network"))
     if isinstance(e, hf.GatedRepoError):
-        return ("the repo is gated: accept its terms on the Hub, then log in with "
+        return ("the Hub repo is gated: accept its terms on the Hub, then log in with "
                 "`hf auth login` or set HF_TOKEN")
     if isinstance(e, hf.RepositoryNotFoundError):
-        return ("no such local path, and no such repo on the Hub (or it is private: log "
-                "in with `hf auth login` or set HF_TOKEN)")
+        return (f"{both}no such repo on the Hub (or it is private: log in with `hf auth login` or set "
+                f"HF_TOKEN). If it is a local checkpoint, check the path")
     if isinstance(e, hf.RevisionNotFoundError):
         return f"the repo has no revision {rev!r}: pass an existing branch, tag or commit"
     if isinstance(e, hf.HfHubHTTPError):
@@ -98,10 +115,11 @@ def _explain(e: Exception, repo: str, revision: str | None, local_files_only: bo
     return f"{type(e).__name__}: {e}"
 
 
-def _not_found(e: Exception) -> bool:
-    """Whether ``e`` says the repo, revision or files are not there: on the Hub, or (offline) in
-    the cache. A gated repo is there."""
+def _not_found(e: Exception, local_files_only: bool) -> bool:
+    """Whether ``e`` says the repo, revision or files are not there: on the Hub, or (offline or
+    unreachable) in the cache. A gated repo is there."""
     from huggingface_hub import utils as hf
 
-    return (isinstance(e, (FileNotFoundError, hf.RepositoryNotFoundError, hf.RevisionNotFoundError))
+    unreachable = isinstance(e, hf.OfflineModeIsEnabled) and not local_files_only
+    return (unreachable or isinstance(e, (FileNotFoundError, hf.RepositoryNotFoundError, hf.RevisionNotFoundError))
             and not isinstance(e, hf.GatedRepoError))

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def plural(n: int, word: str) -> str:
+    """``plural(1, "file")`` -> ``"1 file"``, ``plural(1200, "file")`` -> ``"1,200 files"``."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def shortened(names: list[str], limit: int = 8) -> str:
     """The first ``limit`` names, and how many more there are."""
     shown = ", ".join(names[:limit])
@@ -43,7 +48,7 @@ class LoadReport:
         rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
         share = self.bytes_read / self.checkpoint_bytes if self.checkpoint_bytes else 0.0
         lines = [
-            f"zload: loaded {len(self.loaded)} tensors from {self.source} on rank {self.rank}/"
+            f"zload: loaded {plural(len(self.loaded), 'tensor')} from {self.source} on rank {self.rank}/"
             f"{self.world_size} in {self.seconds:.3f} s",
             f"  read {self.bytes_read / 1e6:.2f} MB ({share:.1%} of {self.checkpoint_bytes / 1e6:.2f} MB"
             f" checkpoint) at {rate:.2f} GB/s",
@@ -57,7 +62,7 @@ class LoadReport:
             if names:
                 lines.append(f"  {label} ({len(names)}): {shortened(names)}")
         for pair, names in self.conversions.items():
-            lines.append(f"  converted {pair}: {len(names)} tensors")
+            lines.append(f"  converted {pair}: {plural(len(names), 'tensor')}")
         return "\n".join(lines)
 
 
@@ -73,5 +78,5 @@ class SaveReport:
     seconds: float
 
     def __str__(self) -> str:
-        return (f"zload: saved {self.path} ({len(self.files)} files, {self.total_bytes / 1e6:.2f} MB); "
+        return (f"zload: saved {self.path} ({plural(len(self.files), 'file')}, {self.total_bytes / 1e6:.2f} MB); "
                 f"this rank wrote {self.bytes_written / 1e6:.2f} MB in {self.seconds:.3f} s")

@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 
@@ -24,7 +22,7 @@ from .checkpoint import (
     parse_size_spec,
     warm_page_cache,
 )
-from .launch import TorchrunWorld, cuda_available, measure_local, snapshot_zload
+from .launch import TorchrunWorld, cuda_available, measure_local, scratch_folders
 from .report import (
     default_name,
     fmt_mb,
@@ -117,118 +115,115 @@ def main(argv=None) -> int:
                          "to fit the time budget")
     cuda = cuda_available()
     out_dir = os.path.abspath(args.out)
-    logs = os.path.join(tempfile.gettempdir(), f"zload-bench-logs-{os.getpid() if lead else 'x'}")
-    os.makedirs(logs, exist_ok=True)
     if lead:
         os.makedirs(out_dir, exist_ok=True)
 
-    started = time.perf_counter()
-    args.snapshot = snapshot_zload()
-    source_hash = zload_source_hash(os.path.join(args.snapshot, "zload"))
-    host = host_info()  # now: the commit the snapshot was taken from
-    checkpoints = []
-    plan = []  # (size label, folder, nbytes, world)
-    for label, nbytes, only in sizes:
-        config = llama_config(nbytes)
-        folder = checkpoint_dir(args.cache, config, args.shard_size)
-        if coord is None or coord.local_rank == 0:
-            ensure_checkpoint(folder, config, args.shard_size)
-            cache = warm_page_cache(folder)
+    with scratch_folders() as (args.snapshot, logs):
+        started = time.perf_counter()
+        source_hash = zload_source_hash(os.path.join(args.snapshot, "zload"))
+        host = host_info()  # now: the commit the snapshot was taken from
+        checkpoints = []
+        plan = []  # (size label, folder, nbytes, world)
+        for label, nbytes, only in sizes:
+            config = llama_config(nbytes)
+            folder = checkpoint_dir(args.cache, config, args.shard_size)
+            if coord is None or coord.local_rank == 0:
+                ensure_checkpoint(folder, config, args.shard_size)
+                cache = warm_page_cache(folder)
+            if coord:
+                coord.barrier()
+                cache = coord.broadcast(cache if coord.rank == 0 else None)
+            total = checkpoint_bytes(folder)
+            files = checkpoint_files(folder)
+            checkpoints.append({"size": label, "folder": folder, "checkpoint_bytes": total, "files": len(files),
+                                "config": {k: getattr(config, k) for k in (
+                                    "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",
+                                    "num_attention_heads", "num_key_value_heads")},
+                                "page_cache": cache})
+            if lead:
+                log(f"{label}: {total / MB:,.0f} MB bf16 in {len(files)} files ({folder}); page cache warmed "
+                    f"({cache['bytes'] / MB:,.0f} MB read in {cache['seconds']:.1f} s, resident "
+                    f"{cache['resident_fraction'] if cache['resident_fraction'] is not None else '?'})")
+            for w in (only or worlds):
+                if coord and w > coord.size:
+                    raise SystemExit(f"world {w} for {label} is larger than the torchrun world ({coord.size})")
+                plan.append((label, folder, total, w))
+
+        results = []
+        for label, folder, total, w in plan:
+            entries = {m: {"size": label, "checkpoint_bytes": total, "world": w, "method": m, "runs": []}
+                       for m in methods}
+            for run in range(max(runs_for.values())):
+                for method in methods:  # interleaved, so drift affects every method alike
+                    if run >= runs_for[method]:
+                        continue
+                    log_path = os.path.join(logs, f"{label}-w{w}-{method}-run{run}.log")
+                    # Re-read the files before every measurement (the methods' own memory, transformers'
+                    # rank 0 holding the whole model, can evict checkpoint pages), or empty the cache.
+                    if coord is None or coord.local_rank == 0:
+                        (evict_page_cache if args.cold else warm_page_cache)(folder)
+                    if coord:
+                        coord.barrier()
+                    ranks = (coord.measure(method, w, folder, args, log_path) if coord
+                             else measure_local(method, w, folder, args, log_path))
+                    if not lead:
+                        continue
+                    summary = summarize_run(ranks)
+                    entries[method]["runs"].append(summary)
+                    if summary["verified"] is False:
+                        raise RuntimeError(f"{method} at world {w}: partitions differ from the checkpoint: "
+                                           f"{summary.get('verify_problems')}")
+                    log(f"{label} W={w} {method:<12} run {run + 1}: construct {fmt_s(summary['construct_s'])} s, "
+                        f"load {fmt_s(summary['load_s'])} s, "
+                        f"construct+load {summary['total_s']:.3f} s, peak RSS {summary['peak_rss'] / MB:,.0f} MB, "
+                        f"growth in construct {fmt_mb(summary['construct_rss_growth'])} MB, "
+                        f"growth in load {fmt_mb(summary['load_rss_growth'])} MB, "
+                        f"read/rank {summary['bytes_read'] / MB:,.0f} MB, "
+                        f"collectives/rank {summary['collective_received_total'] / MB:,.1f} MB"
+                        + (", verified" if summary["verified"] else ""))
+            for method in methods:
+                if lead and entries[method]["runs"]:
+                    summarize(entries[method])
+                    results.append(entries[method])
+
+        if not lead:
+            coord.barrier()
+            return 0
+        order = {m: i for i, m in enumerate(METHODS)}
+        results.sort(key=lambda e: ([c["size"] for c in checkpoints].index(e["size"]), e["world"], order[e["method"]]))
+        cmd = " ".join(["python -m benchmarks.load", *sys.argv[1:]])
+        if coord:
+            cmd = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')} -m benchmarks.load " + \
+                  " ".join(sys.argv[1:])
+        data = {
+            "command": cmd,
+            "zload_source_sha256": source_hash,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "host": host,
+            "backend": "nccl, partitions on the GPUs" if cuda else "gloo, partitions in CPU memory",
+            "launch": "torchrun ranks start one worker each per measurement" if coord
+                      else "python -m torch.distributed.run per measurement",
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "cores // W (set per launch)"),
+            "staging_bytes": args.staging_bytes,
+            "page_cache": "cold" if args.cold else "warm",
+            "load_verify": args.load_verify,
+            "checkpoints": checkpoints,
+            "results": results,
+            "seconds": round(time.perf_counter() - started, 1),
+            "notes": notes,
+        }
+        data["targets"] = evaluate_targets(data)
+        name = args.name or default_name()
+        stem = os.path.join(out_dir, f"load-{name}")
+        with open(stem + ".json", "w") as f:
+            json.dump(data, f, indent=1)
+        written = write_outputs(data, stem)
+        log(f"wrote {stem}.json, {written} in {data['seconds']:.0f} s")
+        print()
+        print(markdown(data))
         if coord:
             coord.barrier()
-            cache = coord.broadcast(cache if coord.rank == 0 else None)
-        total = checkpoint_bytes(folder)
-        files = checkpoint_files(folder)
-        checkpoints.append({"size": label, "folder": folder, "checkpoint_bytes": total, "files": len(files),
-                            "config": {k: getattr(config, k) for k in (
-                                "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",
-                                "num_attention_heads", "num_key_value_heads")},
-                            "page_cache": cache})
-        if lead:
-            log(f"{label}: {total / MB:,.0f} MB bf16 in {len(files)} files ({folder}); page cache warmed "
-                f"({cache['bytes'] / MB:,.0f} MB read in {cache['seconds']:.1f} s, resident "
-                f"{cache['resident_fraction'] if cache['resident_fraction'] is not None else '?'})")
-        for w in (only or worlds):
-            if coord and w > coord.size:
-                raise SystemExit(f"world {w} for {label} is larger than the torchrun world ({coord.size})")
-            plan.append((label, folder, total, w))
-
-    results = []
-    for label, folder, total, w in plan:
-        entries = {m: {"size": label, "checkpoint_bytes": total, "world": w, "method": m, "runs": []}
-                   for m in methods}
-        for run in range(max(runs_for.values())):
-            for method in methods:  # interleaved, so drift affects every method alike
-                if run >= runs_for[method]:
-                    continue
-                log_path = os.path.join(logs, f"{label}-w{w}-{method}-run{run}.log")
-                # Re-read the files before every measurement (the methods' own memory, transformers'
-                # rank 0 holding the whole model, can evict checkpoint pages), or empty the cache.
-                if coord is None or coord.local_rank == 0:
-                    (evict_page_cache if args.cold else warm_page_cache)(folder)
-                if coord:
-                    coord.barrier()
-                ranks = (coord.measure(method, w, folder, args, log_path) if coord
-                         else measure_local(method, w, folder, args, log_path))
-                if not lead:
-                    continue
-                summary = summarize_run(ranks)
-                entries[method]["runs"].append(summary)
-                if summary["verified"] is False:
-                    raise RuntimeError(f"{method} at world {w}: partitions differ from the checkpoint: "
-                                       f"{summary.get('verify_problems')}")
-                log(f"{label} W={w} {method:<12} run {run + 1}: construct {fmt_s(summary['construct_s'])} s, "
-                    f"load {fmt_s(summary['load_s'])} s, "
-                    f"construct+load {summary['total_s']:.3f} s, peak RSS {summary['peak_rss'] / MB:,.0f} MB, "
-                    f"growth in construct {fmt_mb(summary['construct_rss_growth'])} MB, "
-                    f"growth in load {fmt_mb(summary['load_rss_growth'])} MB, "
-                    f"read/rank {summary['bytes_read'] / MB:,.0f} MB, "
-                    f"collectives/rank {summary['collective_received_total'] / MB:,.1f} MB"
-                    + (", verified" if summary["verified"] else ""))
-        for method in methods:
-            if lead and entries[method]["runs"]:
-                summarize(entries[method])
-                results.append(entries[method])
-
-    if not lead:
-        coord.barrier()
         return 0
-    order = {m: i for i, m in enumerate(METHODS)}
-    results.sort(key=lambda e: ([c["size"] for c in checkpoints].index(e["size"]), e["world"], order[e["method"]]))
-    cmd = " ".join(["python -m benchmarks.load", *sys.argv[1:]])
-    if coord:
-        cmd = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')} -m benchmarks.load " + \
-              " ".join(sys.argv[1:])
-    shutil.rmtree(args.snapshot, ignore_errors=True)
-    data = {
-        "command": cmd,
-        "zload_source_sha256": source_hash,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": host,
-        "backend": "nccl, partitions on the GPUs" if cuda else "gloo, partitions in CPU memory",
-        "launch": "torchrun ranks start one worker each per measurement" if coord
-                  else "python -m torch.distributed.run per measurement",
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "cores // W (set per launch)"),
-        "staging_bytes": args.staging_bytes,
-        "page_cache": "cold" if args.cold else "warm",
-        "load_verify": args.load_verify,
-        "checkpoints": checkpoints,
-        "results": results,
-        "seconds": round(time.perf_counter() - started, 1),
-        "notes": notes,
-    }
-    data["targets"] = evaluate_targets(data)
-    name = args.name or default_name()
-    stem = os.path.join(out_dir, f"load-{name}")
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=1)
-    written = write_outputs(data, stem)
-    log(f"wrote {stem}.json, {written} in {data['seconds']:.0f} s")
-    print()
-    print(markdown(data))
-    if coord:
-        coord.barrier()
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 
-from . import REPO
+from . import REPO, log
 
 
 def free_port() -> int:
@@ -35,15 +36,27 @@ def _worker_args(method: str, folder: str, result_dir: str, args) -> list[str]:
     return cmd + ([] if args.verify else ["--no-verify"])
 
 
-def snapshot_zload() -> str:
-    """Copy zload's sources to a temporary folder that every worker imports from, so that an edit of
-    the working tree (an editable install) during a long run cannot mix two versions."""
+@contextmanager
+def scratch_folders():
+    """This process's temporary folders, ``(snapshot, logs)``: a copy of zload's sources that every
+    worker imports from, so that an edit of the working tree (an editable install) during a long run
+    cannot mix two versions, and the measured worlds' logs. Both are removed at the end, but for the
+    logs of a run that failed: its error names the log of the world that failed."""
     import zload
 
-    root = tempfile.mkdtemp(prefix="zload-bench-src-")
-    shutil.copytree(os.path.dirname(os.path.abspath(zload.__file__)), os.path.join(root, "zload"),
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    return root
+    snapshot = tempfile.mkdtemp(prefix="zload-bench-src-")
+    try:
+        shutil.copytree(os.path.dirname(os.path.abspath(zload.__file__)), os.path.join(snapshot, "zload"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        logs = tempfile.mkdtemp(prefix="zload-bench-logs-")
+        try:
+            yield snapshot, logs
+        except BaseException:
+            log(f"the measured worlds' logs are kept in {logs}")
+            raise
+        shutil.rmtree(logs)
+    finally:
+        shutil.rmtree(snapshot, ignore_errors=True)
 
 
 def _worker_env(world: int, snapshot: str) -> dict:

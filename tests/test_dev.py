@@ -1,0 +1,59 @@
+"""``./dev setup`` says what it is doing while it builds .venv, and nothing once .venv is current.
+
+Run in a copy of ``dev`` and ``pyproject.toml`` whose Python is a stub: ``-m venv`` makes a stub
+venv whose python records its arguments and does nothing, so no package is installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+STUB_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "{calls}"
+if [ "$1 $2" = "-m venv" ]; then
+    mkdir -p "$3/bin"
+    cp "$0" "$3/bin/python"
+fi
+"""
+
+STEPS = ["dev: setting up .venv: about 1-2 minutes on a first run (later runs skip this until dev or "
+         "pyproject.toml change)",
+         "dev: creating .venv with {python}",
+         "dev: upgrading pip",
+         "dev: installing torch 2.13.0 (CPU)",
+         "dev: installing zload with its test extras (editable)",
+         "dev: building DeepSpeed's CPU shared-memory comm op",
+         "dev: .venv is ready"]
+
+
+def test_dev_setup_names_each_step_then_stays_quiet(tmp_path):
+    work = tmp_path / "repo"
+    work.mkdir()
+    for name in ("dev", "pyproject.toml"):
+        shutil.copy2(REPO / name, work / name)
+    calls = tmp_path / "calls"
+    python = tmp_path / "python3"
+    python.write_text(STUB_PYTHON.format(calls=calls))
+    python.chmod(0o755)
+
+    def setup() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(work / "dev"), "setup"], env={"PATH": "/usr/bin:/bin",
+                              "PYTHON": str(python)}, capture_output=True, text=True, timeout=60)
+
+    first = setup()
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == "" and first.stderr.splitlines() == [s.format(python=python) for s in STEPS]
+    assert calls.read_text().splitlines()[0] == "-m venv .venv"
+    assert (work / ".venv" / ".zload-install-stamp").exists()
+
+    made = calls.read_text()
+    again = setup()
+    assert again.returncode == 0 and again.stdout == again.stderr == "" and calls.read_text() == made
+
+    (work / ".venv" / ".zload-install-stamp").write_text("stale\n")
+    stale = setup()
+    assert stale.stderr.splitlines() == [s.format(python=python) for s in STEPS if "creating" not in s]
