@@ -59,15 +59,21 @@ def hub_cache(cache: Path):
             setattr(constants, k, v)
 
 
-def populate(cache: Path, repo: str = REPO, commit: str = COMMIT) -> Path:
-    """A cached snapshot of ``repo`` at ``commit`` (= refs/main): 2 shards, index, config.
+def _sharded_state(snapshot: Path) -> None:
+    save_sharded(STATE, snapshot, shards=2)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+
+
+def populate(cache: Path, repo: str = REPO, commit: str = COMMIT, fill=_sharded_state) -> Path:
+    """A cached snapshot of ``repo`` at ``commit`` (= refs/main), its files written by
+    ``fill(folder)``: by default 2 shards of STATE, their index, a config.
 
     The tree listing also names ``pytorch_model.bin``, which the snapshot lacks: huggingface_hub
     would call such a snapshot incomplete, unless allow_patterns leaves the file out.
     """
     storage = cache / ("models--" + repo.replace("/", "--"))
-    snapshot = save_sharded(STATE, storage / "snapshots" / commit, shards=2)
-    (snapshot / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    snapshot = storage / "snapshots" / commit
+    fill(snapshot)
     (storage / "refs").mkdir()
     (storage / "refs" / "main").write_text(commit)  # no trailing newline, as huggingface_hub writes
     files = {p.name: {"size": p.stat().st_size, "blob_id": f"{i:040x}"}

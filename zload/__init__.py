@@ -10,6 +10,7 @@ from .errors import (ArgumentTypeError, ArgumentValueError, CheckpointError, Che
                      InvalidCheckpointError, PeerLostError, PlanError, ZloadError, ZloadWarning)
 from .index import CheckpointIndex
 from .building import init
+from .integrations.transformers import from_pretrained
 from .load import load_into
 from .names import KeyMap
 from .report import LoadReport, SaveReport
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 # Quiet by default: an application that configures logging sees zload's INFO/DEBUG records.
 logging.getLogger("zload").addHandler(logging.NullHandler())
 
-__all__ = ["load_into", "save", "init", "open_checkpoint", "CheckpointIndex", "KeyMap", "LoadReport", "SaveReport",
-           "ZloadError", "CheckpointError", "CheckpointNotFoundError", "InvalidCheckpointError", "PlanError",
-           "ArgumentValueError", "ArgumentTypeError", "PeerLostError", "ZloadWarning", "__version__"]
+__all__ = ["load_into", "save", "init", "from_pretrained", "open_checkpoint", "CheckpointIndex", "KeyMap",
+           "LoadReport", "SaveReport", "ZloadError", "CheckpointError", "CheckpointNotFoundError",
+           "InvalidCheckpointError", "PlanError", "ArgumentValueError", "ArgumentTypeError", "PeerLostError",
+           "ZloadWarning", "__version__"]

@@ -81,11 +81,26 @@ def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> Che
 def open_source(path: str | os.PathLike, revision: str | None = None) -> CheckpointIndex:
     """Index ``path`` in one process as ``load_into`` would: a local path, else a Hub repo id's
     snapshot at ``revision`` (downloaded into the Hugging Face cache if it is not there)."""
+    return open_checkpoint(local_path(path, revision))
+
+
+def local_path(path: str | os.PathLike, revision: str | None = None, also: tuple[str, ...] = ()) -> str:
+    """Where every rank reads ``path`` from: ``path`` itself when every rank has it, else the
+    snapshot of Hub repo id ``path`` at ``revision`` (and the files matching ``also``, see
+    ``download``), downloaded once per node. Every rank must call it; a path that only some ranks
+    have is refused on all, since what is read outside the index (a config) must be everywhere."""
     path = os.fspath(path)
-    if os.path.lexists(path):
-        _no_revision(path, revision)
-        return open_checkpoint(path)
-    return open_checkpoint(download(path, revision))
+    here = os.path.lexists(path)
+    lacking, having = reduce_max([int(not here), int(here)])
+    if not having:
+        return download(path, revision, also)
+    if lacking:
+        agree([] if here else [Problem.of(CheckpointNotFoundError(
+            f"{path}: no such file or directory on this rank, though other ranks have it: every node "
+            f"must hold it (copy it there, or pass a Hub repo id, which each node downloads)", path=path))],
+            f"cannot read {path}")
+    _no_revision(path, revision)
+    return path
 
 
 def _no_revision(path: str, revision: str | None) -> None:

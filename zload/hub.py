@@ -20,8 +20,9 @@ logger = logging.getLogger("zload")
 ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json"]
 
 
-def download(path: str, revision: str | None) -> str:
-    """The local snapshot folder of Hub repo ``path`` at ``revision``, downloaded if needed.
+def download(path: str, revision: str | None, also: tuple[str, ...] = ()) -> str:
+    """The local snapshot folder of Hub repo ``path`` at ``revision``, downloaded if needed, with
+    the files matching the patterns ``also`` besides the checkpoint's (a model's generation config).
 
     ``path`` names nothing local. When it could not be a repo id (an absolute path, ``./x``,
     ``a/b/c``, a trailing slash, a ``.safetensors`` or ``.json`` name), this is said without asking
@@ -41,7 +42,7 @@ def download(path: str, revision: str | None) -> str:
 
     def fetch(local_files_only: bool) -> str | None:
         try:
-            return snapshot_download(path, revision=revision, allow_patterns=ALLOW_PATTERNS,
+            return snapshot_download(path, revision=revision, allow_patterns=ALLOW_PATTERNS + list(also),
                                      local_files_only=local_files_only)
         except Exception as e:  # every failure becomes one agreed CheckpointError
             kind = CheckpointNotFoundError if _not_found(e, local_files_only) else CheckpointError
