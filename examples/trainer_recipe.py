@@ -117,7 +117,7 @@ def main(out: str) -> None:
     base = recipe_world.pretrained_llama(out)
     problems = full_finetune(base, out) + resume_lora(base, out)
     recipe_world.finish(problems, "trainer recipe: OK (checkpoints written by zload.save, LoRA resumed "
-                        "from an adapter-only checkpoint on node 0 alone)")
+                        "from an adapter-only checkpoint in node-local folders)")
 
 
 if __name__ == "__main__":
