@@ -96,7 +96,7 @@ def test_a_hub_repo_id(tmp_path):
 @pytest.mark.parametrize(("arguments", "error", "message"), [
     ({"ds_config": {"zero_optimization": {"stage": 2}}}, zload.ArgumentValueError, "ZeRO stage 2"),
     ({"ds_config": {}}, zload.ArgumentValueError, "ZeRO stage 0"),
-    ({"path": "./no-such-folder"}, zload.CheckpointNotFoundError, "no such file or directory"),
+    ({"path": "./no-such-folder"}, zload.CheckpointNotFoundError, "no such local file or folder"),
     ({"revision": "main"}, zload.ArgumentValueError, "applies to Hub repo ids only"),
     ({"dtype": torch.float64}, zload.ArgumentValueError, "float32, bfloat16 or float16"),
     ({"hidden_sise": 8}, zload.ArgumentTypeError, "hidden_sise: not attributes of LlamaConfig"),
