@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .load import MB, REPO, log
 from .load.checkpoint import (checkpoint_dir, checkpoint_files, ensure_checkpoint, evict_page_cache,
                               llama_config, parse_bytes)
+from .load.methods import contiguous_share, rank_partitions
 
 RUN = 16 << 20  # bytes per request, as zload's runs
 AHEAD = 64 << 20  # hinted ahead of the reader (zload's READ_AHEAD_BYTES)
@@ -48,29 +49,9 @@ STRATEGIES = {
 
 
 def partition_ranges(folder: str, rank: int, world: int) -> list[tuple[str, int, int]]:
-    from zload import open_checkpoint
-
-    with open_checkpoint(folder) as index:
-        ranges = []
-        for e in sorted(index.tensors.values(), key=lambda e: (e.file, e.start)):
-            per_rank = -(-e.numel // world)
-            first = rank * per_rank
-            count = max(0, min(per_rank, e.numel - first))
-            if count:
-                ranges.append((index.path(e.file), e.start + first * e.itemsize, count * e.itemsize))
-    return ranges
-
-
-def contiguous_share(folder: str, rank: int, world: int) -> list[tuple[str, int, int]]:
-    files = [(path, os.path.getsize(path)) for path in checkpoint_files(folder)]
-    total = sum(size for _, size in files)
-    low, high = rank * total // world, (rank + 1) * total // world
-    ranges, start = [], 0
-    for path, size in files:
-        if max(low, start) < min(high, start + size):
-            ranges.append((path, max(low, start) - start, min(high, start + size) - max(low, start)))
-        start += size
-    return ranges
+    """(path, offset, length) of each tensor's ZeRO-3 partition on ``rank``: what zload reads."""
+    return [(path, e.start + first * e.itemsize, count * e.itemsize)
+            for path, e, _, first, count in rank_partitions(folder, rank, world) if count]
 
 
 def requests(ranges, gap: int) -> list[tuple[str, int, int]]:

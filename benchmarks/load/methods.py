@@ -110,15 +110,16 @@ def verify_partitions(model, folder: str) -> dict:
     return check_against_checkpoint(dict(model.named_parameters()), folder, partition_problem)
 
 
-def rank_partitions(folder: str) -> list[tuple]:
-    """For each checkpoint tensor (in file order): its file's path, its index entry, this rank's
-    ZeRO-3 partition size ``ceil(numel / W)`` and the first and count of the elements that
-    partition holds."""
-    import torch.distributed as dist
-
+def rank_partitions(folder: str, rank: int | None = None, world: int | None = None) -> list[tuple]:
+    """For each checkpoint tensor (in file order): its file's path, its index entry, the ZeRO-3
+    partition size ``ceil(numel / W)`` and the first and count of the elements that rank's
+    partition holds. ``rank``/``world`` default to this process's in torch.distributed."""
     from zload import open_checkpoint
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank is None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
     with open_checkpoint(folder) as index:
         entries = sorted(index.tensors.values(), key=lambda e: (e.file, e.start))
     out = []
@@ -167,22 +168,28 @@ def floor(folder: str, meter, args) -> dict:
     return {"bytes_read": read, "verified": None}
 
 
-def ceiling_blocks(folder: str) -> list[tuple[str, int, int]]:
-    """This rank's share of the checkpoint files (concatenated in sorted order, cut into W equal
-    contiguous spans) as (path, offset, length) blocks of at most ``CEILING_BLOCK`` bytes, in order."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
+def contiguous_share(folder: str, rank: int, world: int) -> list[tuple[str, int, int]]:
+    """Rank ``rank``'s share of the checkpoint files (concatenated in sorted order, cut into
+    ``world`` equal contiguous spans) as (path, offset, length), one per file it touches."""
     files = [(path, os.path.getsize(path)) for path in checkpoint_files(folder)]
     total = sum(size for _, size in files)
     lo, hi = rank * total // world, (rank + 1) * total // world
-    blocks, file_start = [], 0
+    spans, file_start = [], 0
     for path, size in files:
         first, last = max(lo, file_start), min(hi, file_start + size)
-        blocks += [(path, at - file_start, min(CEILING_BLOCK, last - at))
-                   for at in range(first, last, CEILING_BLOCK)]
+        if first < last:
+            spans.append((path, first - file_start, last - first))
         file_start += size
-    return blocks
+    return spans
+
+
+def ceiling_blocks(folder: str) -> list[tuple[str, int, int]]:
+    """This rank's contiguous share of the files as blocks of at most ``CEILING_BLOCK`` bytes."""
+    import torch.distributed as dist
+
+    return [(path, at, min(CEILING_BLOCK, offset + length - at))
+            for path, offset, length in contiguous_share(folder, dist.get_rank(), dist.get_world_size())
+            for at in range(offset, offset + length, CEILING_BLOCK)]
 
 
 def ceiling(folder: str, meter, args) -> dict:
