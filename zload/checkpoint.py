@@ -25,12 +25,14 @@ from .execute import reader_count
 from .files import FileTable, OpenFile, open_regular, refuse_irregular, stat_path
 from .hub import download
 from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry, index_from_weight_map, parse_header
+from .native import LATEST, native_folder, open_native
 from .plan import LoadPlan
 
 
-def _start_file(path: str) -> str:
-    """The file to start from: a .safetensors file or an index .json. In a folder, the names
-    ``from_pretrained`` looks for come first, in its order (``model.safetensors``, then the index)."""
+def _start_file(path: str) -> str | None:
+    """The file to start from: a .safetensors file or an index .json; None for a folder without
+    safetensors files. In a folder, the names ``from_pretrained`` looks for come first, in its
+    order (``model.safetensors``, then the index)."""
     st = stat_path(path) if os.path.lexists(path) else None
     if st is None:
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
@@ -53,13 +55,15 @@ def _start_file(path: str) -> str:
         return os.path.join(path, indexes[0])
     if not indexes and len(singles) == 1:
         return os.path.join(path, singles[0])
-    raise (InvalidCheckpointError if indexes + singles else CheckpointNotFoundError)(  # ambiguous, or none
-        f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
-        f"{', '.join(indexes + singles) or 'no safetensors files'}", path=path)
+    if indexes + singles:
+        raise InvalidCheckpointError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
+                                     f"{', '.join(indexes + singles)}", path=path)
+    return None  # no safetensors: perhaps a DeepSpeed checkpoint
 
 
 def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> CheckpointIndex:
-    """Index a checkpoint: a .safetensors file, an index .json, or a directory holding either.
+    """Index a checkpoint: a .safetensors file, an index .json, a directory holding either, or a
+    DeepSpeed checkpoint (the folder ``save_checkpoint`` wrote, or one of its tag folders).
 
     The files stay open (``index.opened``) until ``index.close()`` or the end of a ``with`` block.
     ``missing_ok``: shards the index lists but this machine lacks are recorded in ``absent``
@@ -67,7 +71,16 @@ def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> Che
     """
     table = FileTable()
     try:
-        start = _start_file(os.fspath(path))
+        path = os.fspath(path)
+        start = _start_file(path)
+        if start is None:
+            folder = native_folder(path)
+            if folder is None:
+                raise CheckpointNotFoundError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}, or a DeepSpeed "
+                                              f"checkpoint ('{LATEST}' or *_model_states.pt); found no safetensors files "
+                                              "and no DeepSpeed checkpoint",
+                                              path=path)
+            return open_native(path, folder, table)
         if start.endswith(".json"):
             return index_from_weight_map(start, missing_ok, table)
         root, key = os.path.split(os.path.abspath(start))

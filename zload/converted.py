@@ -50,7 +50,7 @@ def load_converted(plan: LoadPlan, dests: list[torch.Tensor], shared: SharedInde
     conversions: dict[tuple[str, ...], int] = {}  # inputs -> round-robin position
     for i in plan.slow:
         target, source, dst = plan.targets[i], plan.sources[i], dests[i]
-        candidates = shared.ranks_reading({e.file for e in source.entries})
+        candidates = shared.ranks_reading({f for e in source.entries for f in e.files})
         if not candidates:
             raise ZloadError(f"zload: no single rank can read all of {list(source.names)} (they lie on "
                              f"different nodes), which converting '{target.name}' needs", tensor=target.name)

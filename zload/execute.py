@@ -317,6 +317,8 @@ def read_tensor(files: FileTable, entry) -> torch.Tensor:
     from .index import DTYPES
 
     out = torch.empty(entry.nbytes, dtype=torch.uint8)
+    view, size = byte_view(out), entry.itemsize
     with RangeReader(files) as reader:
-        reader.read([(entry.file, entry.start, byte_view(out))])
+        reader.read([(file, offset, view[skip * size:(skip + count) * size])
+                     for file, offset, skip, count in entry.spans(0, entry.numel)])
     return out.view(getattr(torch, DTYPES[entry.dtype][0])).reshape(entry.shape)

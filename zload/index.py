@@ -48,8 +48,21 @@ _U64_MAX = 2**64 - 1  # safetensors reads sizes, shapes and offsets as 64-bit un
 
 
 @dataclass(frozen=True)
+class Fragment:
+    """Elements ``[first, first + numel)`` of a tensor stored apart from the rest of it: from
+    byte ``start`` of ``file`` (a rank's flat partition in a DeepSpeed checkpoint)."""
+
+    first: int
+    numel: int
+    file: str
+    start: int
+
+
+@dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of a checkpoint: its file and the absolute byte range of its data."""
+    """One tensor of a checkpoint: its file and the absolute byte range of its data, or, for a
+    tensor stored in pieces, the ``fragments`` that hold it (then ``file`` is the first piece's
+    and ``start`` means nothing: read it through ``spans``)."""
 
     name: str
     file: str  # the file's key: its name inside the checkpoint folder (``CheckpointIndex.path``)
@@ -57,6 +70,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     start: int  # absolute offset of the first byte in ``file``
     nbytes: int
+    fragments: tuple[Fragment, ...] = ()  # in element order, covering every element once
 
     @property
     def numel(self) -> int:
@@ -65,6 +79,24 @@ class TensorEntry:
     @property
     def itemsize(self) -> int:
         return DTYPES[self.dtype][1]
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The keys of every file that holds a byte of this tensor."""
+        return tuple(dict.fromkeys(f.file for f in self.fragments)) if self.fragments else (self.file,)
+
+    def spans(self, first: int, count: int) -> list[tuple[str, int, int, int]]:
+        """Where elements ``[first, first + count)`` lie: (file, byte offset, element offset
+        from ``first``, element count) for each stored run."""
+        size = self.itemsize
+        if not self.fragments:
+            return [(self.file, self.start + first * size, 0, count)] if count else []
+        spans = []
+        for f in self.fragments:
+            low, high = max(first, f.first), min(first + count, f.first + f.numel)
+            if low < high:
+                spans.append((f.file, f.start + (low - f.first) * size, low - first, high - low))
+        return spans
 
 
 @dataclass(frozen=True)
@@ -90,7 +122,8 @@ class CheckpointIndex:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        """The bytes of the tensors stored, a tied alias of a DeepSpeed checkpoint counted once."""
+        return sum({(t.file, t.start, t.fragments): t.nbytes for t in self.tensors.values()}.values())
 
     def close(self) -> None:
         """Close the files (also done when the index is garbage-collected)."""
@@ -186,7 +219,7 @@ def _parse_entry(path: str, key: str, name: str, raw, data_start: int) -> Tensor
     return TensorEntry(name, key, dtype, tuple(shape), data_start + begin, end - begin)
 
 
-def _pread_exactly(opened: OpenFile, nbytes: int, offset: int) -> bytes:
+def pread_exactly(opened: OpenFile, nbytes: int, offset: int) -> bytes:
     try:
         data = os.pread(opened.fd, nbytes, offset)
     except OSError as e:
@@ -204,14 +237,14 @@ def parse_header(opened: OpenFile, key: str) -> dict[str, TensorEntry]:
     path, file_size = opened.path, opened.identity.size
     if file_size < 8:
         raise InvalidCheckpointError(f"{path}: file is {file_size} bytes, too short to be safetensors", path=path)
-    (header_len,) = struct.unpack("<Q", _pread_exactly(opened, 8, 0))
+    (header_len,) = struct.unpack("<Q", pread_exactly(opened, 8, 0))
     if header_len > MAX_HEADER_BYTES:
         raise InvalidCheckpointError(f"{path}: header length {header_len} exceeds the "
                                      f"{MAX_HEADER_BYTES}-byte limit of the safetensors format", path=path)
     if 8 + header_len > file_size:
         raise InvalidCheckpointError(f"{path}: header length {header_len} runs past the end of the "
                                      f"{file_size}-byte file (truncated?)", path=path)
-    header_bytes = _pread_exactly(opened, header_len, 8)
+    header_bytes = pread_exactly(opened, header_len, 8)
 
     try:
         text = header_bytes.decode("utf-8")
@@ -265,7 +298,7 @@ def read_weight_map(index_path: str, table: FileTable) -> dict[str, str]:
         raise InvalidCheckpointError(f"{index_path}: {opened.identity.size} bytes, over the "
                                      f"{MAX_INDEX_BYTES}-byte limit zload sets for an index file", path=index_path)
     try:
-        weight_map = _strict_json(_pread_exactly(opened, opened.identity.size, 0).decode("utf-8"),
+        weight_map = _strict_json(pread_exactly(opened, opened.identity.size, 0).decode("utf-8"),
                                   "index").get("weight_map")
     except (ValueError, AttributeError) as e:
         raise InvalidCheckpointError(f"{index_path}: not a valid index file: {e}", path=index_path) from e

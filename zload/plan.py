@@ -130,14 +130,14 @@ def _reads(target: Target, index: int, source: Source) -> list[ReadItem]:
         if first >= last:
             continue
         entry, size = piece.entry, piece.entry.itemsize
-        offset = entry.start + (piece.src_offset + first - piece.dst_offset) * size
-        items.append(ReadItem(entry.file, offset, (last - first) * size, DTYPES[entry.dtype][0],
-                              index, first - low, last - first))
+        for file, offset, skip, count in entry.spans(piece.src_offset + first - piece.dst_offset, last - first):
+            items.append(ReadItem(file, offset, count * size, DTYPES[entry.dtype][0], index,
+                                  first + skip - low, count))
     return items
 
 
 def _describe(target: Target, source: Source) -> str:
-    files = sorted({e.file for e in source.entries}) or ["(converted)"]
+    files = sorted({f for e in source.entries for f in e.files}) or ["(converted)"]
     return f"'{target.name}' ({', '.join(files)}, tensor {', '.join(repr(n) for n in source.names)})"
 
 

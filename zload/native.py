@@ -1,0 +1,398 @@
+"""DeepSpeed's own checkpoints (``engine.save_checkpoint``) indexed like safetensors.
+
+``save_checkpoint(dir)`` writes ``dir/latest`` (the newest tag) and ``dir/<tag>/`` holding the
+model states (``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank at ZeRO-3, one
+``mp_rank_00_model_states.pt`` at ZeRO-1/2: names, shapes, frozen parameters, buffers) and one
+``*zero_pp_rank_R_mp_rank_00_optim_states.pt`` per data-parallel rank holding its flat fp32 master
+partition. Each model tensor is indexed as the fragments of those partitions that hold it
+(``TensorEntry.fragments``), so a load at any world size reads only byte ranges of the saved
+partitions, and nothing gathers the model.
+
+A ``.pt`` file is a zip archive whose tensor records are stored uncompressed. It is unpickled by
+``torch.load(weights_only=True)`` onto the meta device: no tensor data is read, and torch records
+where each storage lies (``_checkpoint_offset``). Every class the pickle names that torch does not
+allow (DeepSpeed's loss scaler, a trainer's client state) becomes an inert stand-in, so nothing in
+a checkpoint runs. Each storage must start a stored (uncompressed) record of the archive, of its
+size, inside the file, before its bytes are indexed. The geometry is DeepSpeed's own, as
+``deepspeed/utils/zero_to_fp32.py`` (0.19.8) rebuilds it, checked against the sizes found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import struct
+import zipfile
+from dataclasses import dataclass
+from math import ceil, prod
+
+from .errors import CheckpointNotFoundError, InvalidCheckpointError
+from .files import FileTable, OpenFile, open_regular
+from .index import DTYPES, CheckpointIndex, Fragment, TensorEntry, pread_exactly, shard_path
+
+LATEST = "latest"  # the file save_checkpoint writes: the tag of the newest checkpoint
+_MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
+_OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"  # an IntEnum: unpickled as its int
+_MAX_LATEST_BYTES = 4096
+_LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # a zip member's local header, before name and extra
+_CODES = {name: code for code, (name, _) in DTYPES.items()}  # torch dtype name -> safetensors code
+
+
+def native_folder(path: str) -> str | None:
+    """The tag folder of the DeepSpeed checkpoint at ``path`` (the folder ``save_checkpoint``
+    wrote, whose ``latest`` names the tag, or a tag folder itself); None if it is not one."""
+    if not os.path.isdir(path):
+        return None
+    if any(_MODEL_STATES.fullmatch(n) for n in os.listdir(path)):
+        return path
+    latest = os.path.join(path, LATEST)
+    if not os.path.lexists(latest):
+        return None
+    with FileTable() as table:
+        opened = table.add(open_regular(latest), LATEST)
+        if opened.identity.size > _MAX_LATEST_BYTES:
+            raise InvalidCheckpointError(f"{latest}: {opened.identity.size} bytes; DeepSpeed's '{LATEST}' "
+                                         "holds one tag name", path=latest)
+        tag = pread_exactly(opened, opened.identity.size, 0).decode("utf-8", "replace").strip()
+    folder = shard_path(path, tag)
+    if folder is None or os.path.dirname(os.path.normpath(tag)):
+        raise InvalidCheckpointError(f"{latest}: names the tag {tag!r}, which is not a folder name inside "
+                                     f"{path}", path=latest)
+    if not os.path.isdir(folder):
+        raise CheckpointNotFoundError(f"{latest}: names the tag {tag!r}, but {folder} is not a folder "
+                                      "(a save that did not finish, or a copied checkpoint missing it)",
+                                      path=folder)
+    return folder
+
+
+class _Inert:
+    """Stands in for each class a checkpoint's pickle names that torch does not allow: built
+    from anything, it keeps and runs nothing (zload reads no such object)."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A tensor as a ``.pt`` file stores it: contiguous bytes from ``start`` of ``file``."""
+
+    file: str
+    start: int
+    numel: int
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+
+
+class _PtFile:
+    """One ``.pt`` file, unpickled onto the meta device, and where its stored records lie."""
+
+    def __init__(self, opened: OpenFile, key: str):
+        import torch
+
+        self.opened, self.key = opened, key
+        digest = hashlib.sha256()
+        with open(os.dup(opened.fd), "rb", closefd=True) as f:
+            try:
+                archive = zipfile.ZipFile(f)
+                members = archive.infolist()
+                pickles = [i for i in members if i.filename.endswith("/data.pkl")]
+                if len(pickles) != 1:
+                    raise zipfile.BadZipFile(f"{len(pickles)} data.pkl records, expected 1")
+                digest.update(archive.read(pickles[0]))
+            except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+                raise self.invalid(f"is not an archive torch.save wrote ({e})") from e
+            self.records = {}  # data offset -> record
+            for info in members:
+                self.records[self._data_offset(info)] = info
+                digest.update(repr((info.filename, info.header_offset, info.file_size)).encode())
+            try:
+                f.seek(0)
+                unknown = torch.serialization.get_unsafe_globals_in_checkpoint(f)
+                stand_ins = [(int if name == _STAGE_ENUM else _Inert, name) for name in unknown]
+                f.seek(0)
+                with torch.serialization.safe_globals(stand_ins):
+                    self.state = torch.load(f, map_location="meta", weights_only=True)
+                if not isinstance(self.state, dict):
+                    raise ValueError(f"it holds {type(self.state).__name__}, not a dict")
+            except Exception as e:  # torch raises many kinds for a bad archive or pickle
+                raise self.invalid(f"cannot be unpickled with weights_only=True: {type(e).__name__}: "
+                                   f"{str(e)[:300]}") from e
+        opened.header_sha256 = digest.hexdigest()
+
+    def invalid(self, why: str, tensor: str | None = None) -> InvalidCheckpointError:
+        return InvalidCheckpointError(f"{self.opened.path}: {why}", path=self.opened.path, tensor=tensor)
+
+    def _data_offset(self, info: zipfile.ZipInfo) -> int:
+        header = pread_exactly(self.opened, _LOCAL_HEADER.size, info.header_offset)
+        signature, *_, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+        if signature != b"PK\x03\x04":
+            raise self.invalid(f"record {info.filename!r} has no local header at byte {info.header_offset}")
+        return info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+
+    def get(self, mapping, key: str, kind: type, what: str):
+        """``mapping[key]``, which must be a ``kind``."""
+        value = mapping.get(key) if isinstance(mapping, dict) else None
+        if not isinstance(value, kind):
+            raise self.invalid(f"{what} {key!r} is {type(value).__name__}, expected {kind.__name__}; "
+                               "not a DeepSpeed checkpoint zload knows")
+        return value
+
+    def tensor(self, value, what: str) -> Stored:
+        """Where the tensor ``value`` (a meta tensor from ``state``) lies in the file."""
+        import torch
+
+        if not isinstance(value, torch.Tensor) or value.device.type != "meta":
+            raise self.invalid(f"{what} is {type(value).__name__}, expected a tensor", what)
+        code = _CODES.get(str(value.dtype).removeprefix("torch."))
+        if code is None:
+            raise self.invalid(f"{what} has dtype {value.dtype}, which zload cannot read", what)
+        storage = value.untyped_storage()
+        base = getattr(storage, "_checkpoint_offset", None)
+        info = self.records.get(base)
+        if info is None or "/data/" not in info.filename:
+            raise self.invalid(f"{what}: its storage does not start a data record of the archive", what)
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != storage.nbytes():
+            raise self.invalid(f"{what}: record {info.filename!r} is compressed or not "
+                               f"{storage.nbytes()} bytes; torch.save stores tensors uncompressed", what)
+        size = value.element_size()
+        if base + info.file_size > self.opened.identity.size or not value.is_contiguous() \
+                or (value.storage_offset() + value.numel()) * size > info.file_size:
+            raise self.invalid(f"{what}: not a contiguous tensor inside its record", what)
+        return Stored(self.key, base + value.storage_offset() * size, value.numel(), code, tuple(value.shape))
+
+
+def _shape(file: _PtFile, value, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple) or not all(isinstance(d, int) and d >= 0 for d in value):
+        raise file.invalid(f"{what}: shape {value!r} is not a tuple of sizes", what)
+    return tuple(value)
+
+
+def _entry(name: str, dtype: str, shape: tuple[int, ...], pieces: list[Fragment]) -> TensorEntry:
+    numel = prod(shape)
+    if len(pieces) == 1 and pieces[0].numel == numel:
+        return TensorEntry(name, pieces[0].file, dtype, shape, pieces[0].start, numel * DTYPES[dtype][1])
+    file = pieces[0].file if pieces else ""
+    return TensorEntry(name, file, dtype, shape, -1, numel * DTYPES[dtype][1], tuple(pieces))
+
+
+def _fragments(flat: list[Stored], first: int, count: int, element: int) -> list[Fragment]:
+    """The fragments of elements ``[first, first + count)`` of the concatenation of ``flat``,
+    placed at element ``element`` onward of the tensor they belong to."""
+    pieces, offset = [], 0
+    for stored in flat:
+        low, high = max(first, offset), min(first + count, offset + stored.numel)
+        if low < high:
+            size = DTYPES[stored.dtype][1]
+            pieces.append(Fragment(element + low - first, high - low, stored.file,
+                                   stored.start + (low - offset) * size))
+        offset += stored.numel
+    return pieces
+
+
+@dataclass
+class NativeLayout:
+    """What a DeepSpeed checkpoint holds, read from its files (before any tensor is indexed)."""
+
+    stage: int
+    world: int
+    param_shapes: list[dict[str, tuple[int, ...]]]  # trainable, per optimizer group, in order
+    flat: list[list[Stored]]  # per rank: its fp32 flat groups
+    paddings: list[list[int]] | None  # ZeRO-1/2: per group, the padding after each parameter
+    frozen_shapes: dict[str, tuple[int, ...]]
+    frozen: dict[str, list[Stored]]  # per rank (ZeRO-3: padded partitions; else one whole tensor)
+    buffers: dict[str, Stored]
+    module: dict[str, Stored]  # ZeRO-1/2: the module's weights as stored (16-bit when trained so)
+    module_dtypes: dict[str, str]  # every parameter's and buffer's dtype in the module
+    shared: dict[str, str]  # tied names: alias -> the name stored
+
+
+def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[dict[str, TensorEntry], list[str]]:
+    """Every tensor of the checkpoint as fragments of the stored partitions, and what is wrong.
+
+    Trainable parameters are the fp32 masters (``module_weights``: the module's own weights for
+    ZeRO-1/2, which store them; ZeRO-3 stores only masters), frozen parameters and buffers are as
+    stored; a tied alias is the tensor it is tied to. Pure: the sizes found are checked against
+    the layout DeepSpeed writes, so a file that lies about them is refused, not misread.
+    """
+    world, entries, problems = layout.world, {}, []
+    sizes = [[s.numel for s in flat] for flat in layout.flat]
+    if any(s != sizes[0] for s in sizes):
+        problems.append(f"the ranks' fp32 flat groups differ in size: {sizes}")
+        return entries, problems
+    if layout.stage == 3:
+        offset = 0
+        for name, shape in ((n, s) for group in layout.param_shapes for n, s in group.items()):
+            numel = prod(shape)
+            size = ceil(numel / world)
+            pieces = []
+            for rank in range(world):
+                valid = max(0, min(size, numel - rank * size))
+                pieces += _fragments(layout.flat[rank], offset, valid, rank * size)
+            entries[name] = _entry(name, "F32", shape, pieces)
+            offset += size
+        if offset != sum(sizes[0]):
+            problems.append(f"the parameters' partitions hold {offset} elements per rank, but the fp32 "
+                            f"flat groups hold {sum(sizes[0])}")
+    else:
+        if len(layout.param_shapes) != len(sizes[0]):
+            problems.append(f"{len(layout.param_shapes)} parameter groups but {len(sizes[0])} fp32 partitions")
+            return entries, problems
+        for g, group in enumerate(layout.param_shapes):
+            paddings = layout.paddings[g] if layout.paddings else [0] * len(group)
+            if len(paddings) != len(group):
+                problems.append(f"group {g}: {len(group)} parameters but {len(paddings)} alignment paddings")
+                continue
+            whole = [layout.flat[rank][g] for rank in range(world)]
+            offset = 0
+            for (name, shape), padding in zip(group.items(), paddings):
+                entries[name] = _entry(name, "F32", shape, _fragments(whole, offset, prod(shape), 0))
+                offset += prod(shape) + padding
+            align = 2 * world  # as zero_to_fp32: the group is padded to a multiple of 2 * world
+            if ceil(offset / align) != ceil(sizes[0][g] * world / align):
+                problems.append(f"group {g}: the parameters take {offset} elements, but the ranks' fp32 "
+                                f"partitions hold {sizes[0][g] * world}")
+    for name, shape in layout.frozen_shapes.items():
+        parts, numel = layout.frozen.get(name, []), prod(shape)
+        dtype = parts[0].dtype if parts else "F32"
+        if layout.stage == 3:
+            size = ceil(numel / world)
+            if len(parts) != world or any(p.numel != size or p.dtype != dtype for p in parts):
+                problems.append(f"frozen parameter '{name}': expected a {size}-element partition from each of "
+                                f"{world} ranks, found {[p.numel for p in parts]}")
+                continue
+            pieces = [Fragment(rank * size, max(0, min(size, numel - rank * size)), p.file, p.start)
+                      for rank, p in enumerate(parts)]
+            entries[name] = _entry(name, dtype, shape, [p for p in pieces if p.numel])
+        elif len(parts) != 1 or parts[0].numel != numel:
+            problems.append(f"frozen parameter '{name}': expected one tensor of {numel} elements")
+        else:
+            entries[name] = _entry(name, dtype, shape, _fragments(parts, 0, numel, 0))
+    if module_weights and layout.stage < 3:
+        for name in [n for group in layout.param_shapes for n in group]:
+            stored = layout.module.get(name)
+            if stored is None or stored.numel != entries[name].numel:
+                problems.append(f"'{name}': the module's weights lack it, or hold another size")
+                continue
+            entries[name] = _entry(name, stored.dtype, entries[name].shape, _fragments([stored], 0, stored.numel, 0))
+    for name, stored in layout.buffers.items():
+        entries[name] = _entry(name, stored.dtype, stored.shape, _fragments([stored], 0, stored.numel, 0))
+    for alias, name in layout.shared.items():
+        if name in entries and alias not in entries:
+            entry = entries[name]
+            entries[alias] = TensorEntry(alias, entry.file, entry.dtype, entry.shape, entry.start, entry.nbytes,
+                                         entry.fragments)
+    return entries, problems
+
+
+def _rank_files(folder: str, names: list[str], pattern: re.Pattern, what: str) -> dict[int, str]:
+    """The files of ``names`` matching ``pattern``, by data-parallel rank (model parallel rank 0
+    only: zload does not read tensor- or pipeline-parallel checkpoints)."""
+    found: dict[int, str] = {}
+    for name in names:
+        m = pattern.fullmatch(name)
+        if not m:
+            continue
+        rank, model_rank = int(m.group(1) or 0), int(m.group(2))
+        if model_rank != 0:
+            raise InvalidCheckpointError(f"{folder}: {name} is a model-parallel rank's file; zload reads "
+                                         "data-parallel (ZeRO) checkpoints only", path=os.path.join(folder, name))
+        if rank in found:
+            raise InvalidCheckpointError(f"{folder}: both {found[rank]} and {name} hold rank {rank}'s {what}; "
+                                         "remove the one an older save left", path=os.path.join(folder, name))
+        found[rank] = name
+    if sorted(found) != list(range(len(found))):
+        missing = sorted(set(range(max(found, default=-1) + 1)) - set(found))
+        raise CheckpointNotFoundError(f"{folder}: the {what} of rank(s) {missing} are missing (a save that did "
+                                      "not finish, or files not copied from every node)", path=folder)
+    return found
+
+
+def _stored_map(file: _PtFile, mapping, what: str) -> dict[str, Stored]:
+    if not isinstance(mapping, dict) or not all(isinstance(k, str) for k in mapping):
+        raise file.invalid(f"{what} is not a mapping of names to tensors")
+    return {name: file.tensor(value, f"{what} '{name}'") for name, value in mapping.items()}
+
+
+def _shapes(file: _PtFile, mapping, what: str) -> dict[str, tuple[int, ...]]:
+    if not isinstance(mapping, dict) or not all(isinstance(k, str) for k in mapping):
+        raise file.invalid(f"{what} is not a mapping of names to shapes")
+    return {name: _shape(file, shape, f"{what} '{name}'") for name, shape in mapping.items()}
+
+
+def read_layout(folder: str, table: FileTable) -> NativeLayout:
+    """Open and unpickle (onto the meta device) the files of the tag folder ``folder`` into
+    ``table``, and read their layout."""
+    names = sorted(os.listdir(folder))
+    optim = _rank_files(folder, names, _OPTIM_STATES, "optimizer states (*_optim_states.pt)")
+    if not optim:
+        raise CheckpointNotFoundError(f"{folder}: no *_optim_states.pt files, which hold the weights of a "
+                                      "DeepSpeed ZeRO checkpoint (saved without optimizer states?)", path=folder)
+
+    def load(name: str) -> _PtFile:
+        return _PtFile(table.add(open_regular(os.path.join(folder, name)), name), name)
+
+    optim_files = [load(optim[rank]) for rank in range(len(optim))]
+    world = len(optim_files)
+    states = [f.get(f.state, "optimizer_state_dict", dict, "entry") for f in optim_files]
+    first = optim_files[0]
+    stage = first.get(states[0], "zero_stage", int, "entry")
+    counts = first.get(states[0], "partition_count", (int, list), "entry")
+    count = max(counts) if isinstance(counts, list) and counts else counts
+    if stage not in (1, 2, 3) or count != world:
+        raise first.invalid(f"ZeRO stage {stage} saved by {count} ranks, but the folder holds {world} "
+                            "optimizer state files; zload reads ZeRO stages 1-3 from a complete save")
+    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    flat = []
+    for f, state in zip(optim_files, states):
+        groups = f.get(state, key, list, "entry")
+        flat.append([f.tensor(g, f"{key}[{i}]") for i, g in enumerate(groups)])
+    paddings = states[0].get("param_alignment_paddings") if stage < 3 else None
+    if paddings is not None and not (isinstance(paddings, list) and all(
+            isinstance(p, list) and all(isinstance(x, int) and x >= 0 for x in p) for p in paddings)):
+        raise first.invalid("param_alignment_paddings is not a list of lists of sizes")
+
+    model = _rank_files(folder, names, _MODEL_STATES, "model states (*_model_states.pt)")
+    expected = world if stage == 3 else 1
+    if len(model) != expected:
+        raise InvalidCheckpointError(f"{folder}: {len(model)} model state files for a ZeRO-{stage} save by "
+                                     f"{world} ranks; expected {expected}", path=folder)
+    model_files = [load(model[rank]) for rank in range(expected)]
+    main = model_files[0]
+    groups = main.get(main.state, "param_shapes", list, "entry")
+    param_shapes = [_shapes(main, g, f"param_shapes[{i}]") for i, g in enumerate(groups)]
+    frozen_shapes = _shapes(main, main.state.get("frozen_param_shapes") or {}, "frozen_param_shapes")
+    frozen: dict[str, list[Stored]] = {}
+    for f in model_files:
+        for name, stored in _stored_map(f, f.state.get("frozen_param_fragments") or {},
+                                        "frozen_param_fragments").items():
+            frozen.setdefault(name, []).append(stored)
+    module = _stored_map(main, main.get(main.state, "module", dict, "entry"), "module")
+    buffer_names = main.get(main.state, "buffer_names", list, "entry")
+    missing = [n for n in buffer_names if n not in module]
+    if missing:
+        raise main.invalid(f"buffers {missing[:5]} are listed in buffer_names but not in the module")
+    shared = main.state.get("shared_params") or {}
+    if not isinstance(shared, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in shared.items()):
+        raise main.invalid("shared_params is not a mapping of names to names")
+    return NativeLayout(stage, world, param_shapes, flat, paddings, frozen_shapes, frozen,
+                        {n: module[n] for n in buffer_names}, module if stage < 3 else {},
+                        {n: s.dtype for n, s in module.items()}, dict(shared))
+
+
+def open_native(source: str, folder: str, table: FileTable, module_weights: bool = False) -> CheckpointIndex:
+    """Index the DeepSpeed checkpoint in tag folder ``folder`` (found from ``source``)."""
+    layout = read_layout(folder, table)
+    entries, problems = native_entries(layout, module_weights)
+    if problems:
+        raise InvalidCheckpointError(f"{folder}: does not hold the layout of a ZeRO-{layout.stage} save by "
+                                     f"{layout.world} ranks: {'; '.join(problems[:3])}", path=folder)
+    return CheckpointIndex(source, tuple(table.files), entries, opened=table, root=os.path.abspath(folder))
