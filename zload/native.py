@@ -383,6 +383,12 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
     shared = main.state.get("shared_params") or {}
     if not isinstance(shared, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in shared.items()):
         raise main.invalid("shared_params is not a mapping of names to names")
+    if stage == 1 and not frozen_shapes:
+        # ZeRO-1 records no frozen parameters (zero_to_fp32 drops them), but its module holds them
+        trainable = {n for group in param_shapes for n in group}
+        for name, stored in module.items():
+            if name not in trainable and name not in buffer_names and name not in shared:
+                frozen_shapes[name], frozen[name] = stored.shape, [stored]
     return NativeLayout(stage, world, param_shapes, flat, paddings, frozen_shapes, frozen,
                         {n: module[n] for n in buffer_names}, module if stage < 3 else {},
                         {n: s.dtype for n, s in module.items()}, dict(shared))
