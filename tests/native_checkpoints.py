@@ -94,7 +94,7 @@ def ds_config(stage: int, dtype: str, offload_optimizer: bool, sub_group_size: i
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,  # keep the torch AdamW with an offloaded optimizer
         "bf16": {"enabled": dtype == "bf16"},
-        # a small first loss scale: the default 2**16 overflows in step 1, which is then skipped
+        # a small first loss scale, so that the one step is not skipped for an overflow
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 4},
         "zero_optimization": zero,
     }
@@ -189,6 +189,8 @@ def make_native_checkpoint(root: Path, *, world: int, stage: int, dtype: str, fr
     ``root.parent / f"{root.name}-expected"``)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    if model not in MODELS:
+        raise ValueError(f"model {model!r}: expected one of {sorted(MODELS)}")
     if sub_group_size is not None and stage != 3:
         raise ValueError("sub_group_size splits ZeRO-3's fp32 partitions only (stage 3)")
     root = Path(root)
