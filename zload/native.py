@@ -225,7 +225,7 @@ def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[
     """
     world, entries, problems = layout.world, {}, []
     sizes = [[s.numel for s in flat] for flat in layout.flat]
-    if any(s != sizes[0] for s in sizes):
+    if any(len(s) != len(sizes[0]) for s in sizes) or (layout.stage == 3 and any(s != sizes[0] for s in sizes)):
         problems.append(f"the ranks' fp32 flat groups differ in size: {sizes}")
         return entries, problems
     if layout.stage == 3:
@@ -256,10 +256,12 @@ def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[
             for (name, shape), padding in zip(group.items(), paddings):
                 entries[name] = _entry(name, "F32", shape, _fragments(whole, offset, prod(shape), 0))
                 offset += prod(shape) + padding
-            align = 2 * world  # as zero_to_fp32: the group is padded to a multiple of 2 * world
-            if ceil(offset / align) != ceil(sizes[0][g] * world / align):
+            # as zero_to_fp32: the group was padded to a multiple of 2 * world, and the padding
+            # dropped from the last partitions
+            align, held = 2 * world, sum(s[g] for s in sizes)
+            if ceil(offset / align) != ceil(held / align):
                 problems.append(f"group {g}: the parameters take {offset} elements, but the ranks' fp32 "
-                                f"partitions hold {sizes[0][g] * world}")
+                                f"partitions hold {held}")
     for name, shape in layout.frozen_shapes.items():
         parts, numel = layout.frozen.get(name, []), prod(shape)
         dtype = parts[0].dtype if parts else "F32"
