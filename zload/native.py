@@ -29,7 +29,7 @@ from math import ceil, prod
 
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
 from .files import FileTable, OpenFile, open_regular
-from .index import DTYPES, CheckpointIndex, Fragment, TensorEntry, pread_exactly, shard_path
+from .index import DTYPES, CheckpointIndex, Fragment, TensorEntry, _brief, pread_exactly, shard_path
 
 LATEST = "latest"  # the file save_checkpoint writes: the tag of the newest checkpoint
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
@@ -215,51 +215,92 @@ class NativeLayout:
     shared: dict[str, str]  # tied names: alias -> the name stored
 
 
+def _files(flat: list[Stored]) -> str:
+    return ", ".join(dict.fromkeys(s.file for s in flat)) or "no flat groups"
+
+
+def _quoted(names, limit: int = 3) -> str:
+    """The first ``limit`` of ``names`` quoted, for a message that names the tensors at fault."""
+    names = list(names)
+    text = ", ".join(f"'{name}'" for name in names[:limit])
+    return text + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _listed_twice(layout: NativeLayout) -> list[str]:
+    """The names the layout lists more than once (DeepSpeed lists each tensor once: one listed
+    twice would be read from one place or the other depending on the reader's order)."""
+    kinds: dict[str, str] = {}
+    problems = []
+    for kind, names in (("parameter", [n for group in layout.param_shapes for n in group]),
+                        ("frozen parameter", layout.frozen_shapes), ("buffer", layout.buffers)):
+        for name in names:
+            if name in kinds:
+                problems.append(f"'{name}' is listed twice (as a {kinds[name]} and as a {kind})")
+            kinds.setdefault(name, kind)
+    return problems
+
+
 def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[dict[str, TensorEntry], list[str]]:
     """Every tensor of the checkpoint as fragments of the stored partitions, and what is wrong.
 
     Trainable parameters are the fp32 masters (``module_weights``: the module's own weights for
     ZeRO-1/2, which store them; ZeRO-3 stores only masters), frozen parameters and buffers are as
     stored; a tied alias is the tensor it is tied to. Pure: the sizes found are checked against
-    the layout DeepSpeed writes, so a file that lies about them is refused, not misread.
+    the layout DeepSpeed writes, so a file that lies about them is refused, not misread; each
+    problem names the tensors (or, for sizes no tensor explains, the files) at fault.
     """
-    world, entries, problems = layout.world, {}, []
+    world, entries, problems = layout.world, {}, _listed_twice(layout)
+    trainable = [(name, shape) for group in layout.param_shapes for name, shape in group.items()]
     sizes = [[s.numel for s in flat] for flat in layout.flat]
-    if any(s != sizes[0] for s in sizes):
-        problems.append(f"the ranks' fp32 flat groups differ in size: {sizes}")
+
+    def add_trainable(name: str, shape: tuple[int, ...], pieces: list[Fragment]) -> None:
+        covered = sum(p.numel for p in pieces)  # short only when the sizes lie (ZeRO-1/2's slack)
+        if covered != prod(shape):
+            problems.append(f"'{name}': only {covered} of its {prod(shape)} elements lie inside the fp32 partitions")
+        entries[name] = _entry(name, "F32", shape, pieces)
+
+    differing = next((rank for rank, s in enumerate(sizes) if s != sizes[0]), None)
+    if differing is not None:
+        problems.append(f"the ranks' fp32 flat groups differ in size: rank 0's ({_files(layout.flat[0])}) hold "
+                        f"{_brief(sizes[0])} elements, rank {differing}'s ({_files(layout.flat[differing])}) "
+                        f"{_brief(sizes[differing])} (files of different saves?)")
         return entries, problems
     if layout.stage == 3:
-        offset = 0
-        for name, shape in ((n, s) for group in layout.param_shapes for n, s in group.items()):
+        offset, total = 0, sum(sizes[0])
+        for name, shape in trainable:
             numel = prod(shape)
             size = ceil(numel / world)
             pieces = []
             for rank in range(world):
                 valid = max(0, min(size, numel - rank * size))
                 pieces += _fragments(layout.flat[rank], offset, valid, rank * size)
-            entries[name] = _entry(name, "F32", shape, pieces)
+            add_trainable(name, shape, pieces)
             offset += size
-        if offset != sum(sizes[0]):
-            problems.append(f"the parameters' partitions hold {offset} elements per rank, but the fp32 "
-                            f"flat groups hold {sum(sizes[0])}")
+        if offset != total:
+            problems.append(f"the partitions of the parameters, up to the last one "
+                            f"({_quoted([n for n, _ in trainable][-1:]) or 'none'}), take {offset} elements on each "
+                            f"rank, but the fp32 flat groups hold {total} ({_files(layout.flat[0])})")
     else:
-        if len(layout.param_shapes) != len(sizes[0]):
-            problems.append(f"{len(layout.param_shapes)} parameter groups but {len(sizes[0])} fp32 partitions")
+        paddings = layout.paddings or [[0] * len(group) for group in layout.param_shapes]
+        if not len(layout.param_shapes) == len(sizes[0]) == len(paddings):
+            problems.append(f"parameter groups (of {_quoted(n for n, _ in trainable)}): {len(layout.param_shapes)}, "
+                            f"fp32 partitions per rank: {len(sizes[0])}, lists of alignment paddings: "
+                            f"{len(paddings)}; DeepSpeed saves one of each per group")
             return entries, problems
-        for g, group in enumerate(layout.param_shapes):
-            paddings = layout.paddings[g] if layout.paddings else [0] * len(group)
-            if len(paddings) != len(group):
-                problems.append(f"group {g}: {len(group)} parameters but {len(paddings)} alignment paddings")
+        for g, (group, group_paddings) in enumerate(zip(layout.param_shapes, paddings)):
+            if len(group_paddings) != len(group):
+                problems.append(f"group {g} (of {_quoted(group)}): {len(group)} parameters but "
+                                f"{len(group_paddings)} alignment paddings")
                 continue
             whole = [layout.flat[rank][g] for rank in range(world)]
             offset = 0
-            for (name, shape), padding in zip(group.items(), paddings):
-                entries[name] = _entry(name, "F32", shape, _fragments(whole, offset, prod(shape), 0))
+            for (name, shape), padding in zip(group.items(), group_paddings):
+                add_trainable(name, shape, _fragments(whole, offset, prod(shape), 0))
                 offset += prod(shape) + padding
             align = 2 * world  # as zero_to_fp32: the group is padded to a multiple of 2 * world
             if ceil(offset / align) != ceil(sizes[0][g] * world / align):
-                problems.append(f"group {g}: the parameters take {offset} elements, but the ranks' fp32 "
-                                f"partitions hold {sizes[0][g] * world}")
+                problems.append(f"group {g} (of {_quoted(group)}): the parameters take {offset} elements, but the "
+                                f"ranks' fp32 partitions hold {sizes[0][g] * world}")
     for name, shape in layout.frozen_shapes.items():
         parts, numel = layout.frozen.get(name, []), prod(shape)
         dtype = parts[0].dtype if parts else "F32"
@@ -277,12 +318,12 @@ def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[
         else:
             entries[name] = _entry(name, dtype, shape, _fragments(parts, 0, numel, 0))
     if module_weights and layout.stage < 3:
-        for name in [n for group in layout.param_shapes for n in group]:
+        for name, shape in trainable:
             stored = layout.module.get(name)
-            if stored is None or stored.numel != entries[name].numel:
+            if stored is None or stored.numel != prod(shape):
                 problems.append(f"'{name}': the module's weights lack it, or hold another size")
                 continue
-            entries[name] = _entry(name, stored.dtype, entries[name].shape, _fragments([stored], 0, stored.numel, 0))
+            entries[name] = _entry(name, stored.dtype, shape, _fragments([stored], 0, stored.numel, 0))
     for name, stored in layout.buffers.items():
         entries[name] = _entry(name, stored.dtype, stored.shape, _fragments([stored], 0, stored.numel, 0))
     for alias, name in layout.shared.items():
