@@ -8,11 +8,14 @@ partition. Each model tensor is indexed as the fragments of those partitions tha
 (``TensorEntry.fragments``), so a load at any world size reads only byte ranges of the saved
 partitions, and nothing gathers the model.
 
-A ``.pt`` file is a zip archive whose tensor records are stored uncompressed. It is unpickled by
-``torch.load(weights_only=True)`` onto the meta device: no tensor data is read, and torch records
-where each storage lies (``_checkpoint_offset``). Every class the pickle names that torch does not
-allow (DeepSpeed's loss scaler, a trainer's client state) becomes an inert stand-in, so nothing in
-a checkpoint runs. Each storage must start a stored (uncompressed) record of the archive, of its
+A ``.pt`` file is a zip archive whose records are stored uncompressed (a compressed pickle is
+refused: it could inflate without bound). It is unpickled by ``torch.load(weights_only=True)``
+onto the meta device: no tensor data is read, and torch records where each storage lies
+(``_checkpoint_offset``). Every class or function the pickle names that torch does not allow
+(DeepSpeed's loss scaler, a trainer's client state, a hostile ``builtins.eval``) becomes an inert
+stand-in, so nothing in a checkpoint runs: where zload reads nothing from it the load goes on,
+where it reads (a stand-in in place of a dict or tensor) the file is refused. torch refuses names
+from ``os``, ``posix``, ``nt`` and ``sys`` outright, so a file naming them is refused. Each storage must start a stored (uncompressed) record of the archive, of its
 size, inside the file, before its bytes are indexed. The geometry is DeepSpeed's own, as
 ``deepspeed/utils/zero_to_fp32.py`` (0.19.8) rebuilds it, checked against the sizes found.
 """
@@ -67,6 +70,17 @@ def native_folder(path: str) -> str | None:
     return folder
 
 
+def _refusal(e: Exception) -> str:
+    """Why torch could not unpickle, in its own words but without the advice it wraps them in:
+    to load with weights_only=False, which would let the checkpoint run code."""
+    import torch
+
+    text = str(e).split("\n\nCheck the documentation")[0]
+    text = text.replace(getattr(torch.serialization, "UNSAFE_MESSAGE", "\0"), "")
+    text = text.rsplit("WeightsUnpickler error: ", 1)[-1].replace("Weights only load failed.", "")
+    return " ".join(text.split())[:300]
+
+
 class _Inert:
     """Stands in for each class a checkpoint's pickle names that torch does not allow: built
     from anything, it keeps and runs nothing (zload reads no such object)."""
@@ -107,6 +121,9 @@ class _PtFile:
                 pickles = [i for i in members if i.filename.endswith("/data.pkl")]
                 if len(pickles) != 1:
                     raise zipfile.BadZipFile(f"{len(pickles)} data.pkl records, expected 1")
+                if pickles[0].compress_type != zipfile.ZIP_STORED:  # a small record may inflate to gigabytes
+                    raise zipfile.BadZipFile(f"record {pickles[0].filename!r} is compressed; torch.save stores "
+                                             "every record uncompressed")
                 digest.update(archive.read(pickles[0]))
             except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
                 raise self.invalid(f"is not an archive torch.save wrote ({e})") from e
@@ -124,8 +141,9 @@ class _PtFile:
                 if not isinstance(self.state, dict):
                     raise ValueError(f"it holds {type(self.state).__name__}, not a dict")
             except Exception as e:  # torch raises many kinds for a bad archive or pickle
-                raise self.invalid(f"cannot be unpickled with weights_only=True: {type(e).__name__}: "
-                                   f"{str(e)[:300]}") from e
+                raise self.invalid(f"cannot be unpickled with weights_only=True ({type(e).__name__}: "
+                                   f"{_refusal(e)}); DeepSpeed's own saves can be: replace the file with an "
+                                   "intact copy of the save") from e
         opened.header_sha256 = digest.hexdigest()
 
     def invalid(self, why: str, tensor: str | None = None) -> InvalidCheckpointError:
@@ -357,6 +375,20 @@ def _rank_files(folder: str, names: list[str], pattern: re.Pattern, what: str) -
     return found
 
 
+def _check_saved_ranks(folder: str, found: dict[int, str], saved: int, what: str, why: str) -> None:
+    """Raise unless ``found`` (ranks 0 to n - 1, from ``_rank_files``) holds the files of exactly the
+    ``saved`` ranks that saved; ``why`` says where that count comes from."""
+    if len(found) < saved:
+        raise CheckpointNotFoundError(f"{folder}: the {what} of rank(s) {list(range(len(found), saved))} are "
+                                      f"missing ({why}): a save that did not finish, or files not copied from "
+                                      "every node", path=folder)
+    if len(found) > saved:
+        extra = [found[rank] for rank in range(saved, len(found))]
+        raise InvalidCheckpointError(f"{folder}: {', '.join(extra)}: the {what} of rank(s) beyond the {saved} that "
+                                     f"saved ({why}); remove the files an older save left",
+                                     path=os.path.join(folder, extra[0]))
+
+
 def _stored_map(file: _PtFile, mapping, what: str) -> dict[str, Stored]:
     if not isinstance(mapping, dict) or not all(isinstance(k, str) for k in mapping):
         raise file.invalid(f"{what} is not a mapping of names to tensors")
@@ -386,11 +418,14 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
     states = [f.get(f.state, "optimizer_state_dict", dict, "entry") for f in optim_files]
     first = optim_files[0]
     stage = first.get(states[0], "zero_stage", int, "entry")
-    counts = first.get(states[0], "partition_count", (int, list), "entry")
-    count = max(counts) if isinstance(counts, list) and counts else counts
-    if stage not in (1, 2, 3) or count != world:
-        raise first.invalid(f"ZeRO stage {stage} saved by {count} ranks, but the folder holds {world} "
-                            "optimizer state files; zload reads ZeRO stages 1-3 from a complete save")
+    if stage not in (1, 2, 3):
+        raise first.invalid(f"ZeRO stage {stage}; zload reads ZeRO stages 1-3")
+    counts = states[0].get("partition_count")  # ZeRO-1/2: one per parameter group
+    counts = counts if isinstance(counts, list) else [counts]
+    if not counts or not all(isinstance(c, int) and c > 0 for c in counts):
+        raise first.invalid(f"partition_count {_brief(states[0].get('partition_count'))} is not a count of ranks")
+    _check_saved_ranks(folder, optim, max(counts), "optimizer states (*_optim_states.pt)",
+                       f"partition_count in {first.key}")
     key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
     flat = []
     for f, state in zip(optim_files, states):
@@ -403,9 +438,8 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
 
     model = _rank_files(folder, names, _MODEL_STATES, "model states (*_model_states.pt)")
     expected = world if stage == 3 else 1
-    if len(model) != expected:
-        raise InvalidCheckpointError(f"{folder}: {len(model)} model state files for a ZeRO-{stage} save by "
-                                     f"{world} ranks; expected {expected}", path=folder)
+    _check_saved_ranks(folder, model, expected, "model states (*_model_states.pt)",
+                       f"a ZeRO-{stage} save by {world} ranks writes {expected}")
     model_files = [load(model[rank]) for rank in range(expected)]
     main = model_files[0]
     groups = main.get(main.state, "param_shapes", list, "entry")
@@ -418,6 +452,8 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
             frozen.setdefault(name, []).append(stored)
     module = _stored_map(main, main.get(main.state, "module", dict, "entry"), "module")
     buffer_names = main.get(main.state, "buffer_names", list, "entry")
+    if not all(isinstance(n, str) for n in buffer_names):
+        raise main.invalid("buffer_names is not a list of names")
     missing = [n for n in buffer_names if n not in module]
     if missing:
         raise main.invalid(f"buffers {missing[:5]} are listed in buffer_names but not in the module")
