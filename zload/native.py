@@ -28,17 +28,19 @@ import re
 import struct
 import zipfile
 from dataclasses import dataclass
-from math import ceil, prod
+from math import prod
 
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
 from .files import FileTable, OpenFile, open_regular
 from .index import DTYPES, CheckpointIndex, Fragment, TensorEntry, _brief, pread_exactly, shard_path
+from .targets import Partition
 
 LATEST = "latest"  # the file save_checkpoint writes: the tag of the newest checkpoint
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 _OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"  # an IntEnum: unpickled as its int
 _MAX_LATEST_BYTES = 4096
+_MAX_NUMEL = 2**63 - 1  # torch counts a tensor's elements in an int64
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # a zip member's local header, before name and extra
 _CODES = {name: code for code, (name, _) in DTYPES.items()}  # torch dtype name -> safetensors code
 
@@ -190,7 +192,12 @@ class _PtFile:
 
 def _shape(file: _PtFile, value, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or not all(isinstance(d, int) and d >= 0 for d in value):
-        raise file.invalid(f"{what}: shape {value!r} is not a tuple of sizes", what)
+        raise file.invalid(f"{what}: shape {_brief(value)} is not a tuple of sizes", what)
+    numel = 1
+    for size in value:  # stopped at once: a long shape of large sizes would take minutes to multiply
+        numel *= size
+        if numel > _MAX_NUMEL:
+            raise file.invalid(f"{what}: shape {_brief(value)} has more elements than a tensor can (2**63)", what)
     return tuple(value)
 
 
@@ -286,14 +293,10 @@ def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[
     if layout.stage == 3:
         offset, total = 0, sum(sizes[0])
         for name, shape in trainable:
-            numel = prod(shape)
-            size = ceil(numel / world)
-            pieces = []
-            for rank in range(world):
-                valid = max(0, min(size, numel - rank * size))
-                pieces += _fragments(layout.flat[rank], offset, valid, rank * size)
-            add_trainable(name, shape, pieces)
-            offset += size
+            partitions = [Partition(prod(shape), world, rank) for rank in range(world)]
+            add_trainable(name, shape, [piece for rank, part in enumerate(partitions)
+                                        for piece in _fragments(layout.flat[rank], offset, part.valid, part.start)])
+            offset += partitions[0].size
         if offset != total:
             problems.append(f"the partitions of the parameters, up to the last one "
                             f"({_quoted([n for n, _ in trainable][-1:]) or 'none'}), take {offset} elements on each "
@@ -316,20 +319,20 @@ def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[
                 add_trainable(name, shape, _fragments(whole, offset, prod(shape), 0))
                 offset += prod(shape) + padding
             align = 2 * world  # as zero_to_fp32: the group is padded to a multiple of 2 * world
-            if ceil(offset / align) != ceil(sizes[0][g] * world / align):
+            if -(-offset // align) != -(-sizes[0][g] * world // align):
                 problems.append(f"group {g} (of {_quoted(group)}): the parameters take {offset} elements, but the "
                                 f"ranks' fp32 partitions hold {sizes[0][g] * world}")
     for name, shape in layout.frozen_shapes.items():
         parts, numel = layout.frozen.get(name, []), prod(shape)
         dtype = parts[0].dtype if parts else "F32"
         if layout.stage == 3:
-            size = ceil(numel / world)
+            partitions = [Partition(numel, world, rank) for rank in range(world)]
+            size = partitions[0].size
             if len(parts) != world or any(p.numel != size or p.dtype != dtype for p in parts):
                 problems.append(f"frozen parameter '{name}': expected a {size}-element partition from each of "
                                 f"{world} ranks, found {[p.numel for p in parts]}")
                 continue
-            pieces = [Fragment(rank * size, max(0, min(size, numel - rank * size)), p.file, p.start)
-                      for rank, p in enumerate(parts)]
+            pieces = [Fragment(part.start, part.valid, p.file, p.start) for part, p in zip(partitions, parts)]
             entries[name] = _entry(name, dtype, shape, [p for p in pieces if p.numel])
         elif len(parts) != 1 or parts[0].numel != numel:
             problems.append(f"frozen parameter '{name}': expected one tensor of {numel} elements")
