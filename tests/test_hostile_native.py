@@ -7,6 +7,7 @@ where one is at fault), the model stays untouched, no rank hangs, and nothing in
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -213,9 +214,12 @@ def _rewrite_archive(path: Path, *, replace: dict[str, bytes] | None = None, def
 def test_a_pt_file_that_torch_save_did_not_write(ckpt, how, why):
     """Rank 1's optimizer states only (which rank 0 does not read at the same world size)."""
     path = optim(ckpt, 1)
-    if how in ("fifo", "directory"):
+    if how == "fifo":
         path.unlink()
-        os.mkfifo(path) if how == "fifo" else path.mkdir()
+        os.mkfifo(path)
+    elif how == "directory":
+        path.unlink()
+        path.mkdir()
     elif how == "truncated":
         os.truncate(path, path.stat().st_size - 100)
     elif how == "not_a_zip":
@@ -404,7 +408,7 @@ def test_one_ranks_copy_is_hostile(tmp_path, saved):
     """Node-local copies: only rank 1's holds a FIFO. Rank 0 must not wait for it forever."""
     for node in ("node0", "node1"):
         shutil.copytree(saved.folder, tmp_path / node / "ckpt")
-    fifo = optim(NativeCheckpoint(tmp_path / "node1" / "ckpt", tmp_path / "node1" / "ckpt" / saved.tag_folder.name), 0)
+    fifo = tmp_path / "node1" / "ckpt" / saved.tag_folder.name / optim(saved, 0).name
     fifo.unlink()
     os.mkfifo(fifo)
     kind, message, _, _ = refused("ckpt", [tmp_path / "node0", tmp_path / "node1"])
@@ -455,7 +459,7 @@ def test_a_pt_file_changed_between_indexing_and_reading(ckpt):
 
 def test_inspect_lists_the_files_holding_each_tensor(saved, capsys):
     assert cli(["inspect", "--json", str(saved.folder)]) == 0
-    summary = __import__("json").loads(capsys.readouterr().out)
+    summary = json.loads(capsys.readouterr().out)
     partitions = [str(optim(saved, rank)) for rank in range(2)]
     by_name = {t["name"]: t for t in summary["tensors"]}
     assert by_name["lm_head.weight"]["files"] == partitions  # tied to the embedding, stored once
