@@ -345,6 +345,15 @@ def test_a_rank_file_of_another_save(ckpt, other_save):
     assert optim(ckpt, 0).name in message and optim(ckpt, 1).name in message
 
 
+def test_another_ranks_file_of_the_same_size(ckpt):
+    """Rank 0's optimizer states copied over rank 1's: the same sizes, other values. The archive
+    inside still bears the name torch.save gave it."""
+    shutil.copy(optim(ckpt, 0), optim(ckpt, 1))
+    kind, message, path, _ = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and path == str(optim(ckpt, 1))
+    assert f"was written as {optim(ckpt, 0).name}" in message
+
+
 def test_a_missing_rank_file(ckpt):
     optim(ckpt, 1).unlink()
     kind, message, path, _ = refused(ckpt.folder)

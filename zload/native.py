@@ -32,7 +32,7 @@ from math import prod
 
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
 from .files import FileTable, OpenFile, open_regular
-from .index import DTYPES, CheckpointIndex, Fragment, TensorEntry, _brief, pread_exactly, shard_path
+from .index import DTYPES, MAX_HEADER_BYTES, CheckpointIndex, Fragment, TensorEntry, _brief, pread_exactly, shard_path
 from .targets import Partition
 
 LATEST = "latest"  # the file save_checkpoint writes: the tag of the newest checkpoint
@@ -126,7 +126,11 @@ class _PtFile:
                 if pickles[0].compress_type != zipfile.ZIP_STORED:  # a small record may inflate to gigabytes
                     raise zipfile.BadZipFile(f"record {pickles[0].filename!r} is compressed; torch.save stores "
                                              "every record uncompressed")
+                if pickles[0].file_size > MAX_HEADER_BYTES:  # it is read whole, three times
+                    raise zipfile.BadZipFile(f"record {pickles[0].filename!r} is {pickles[0].file_size} bytes, "
+                                             f"over the {MAX_HEADER_BYTES}-byte limit zload sets for it")
                 digest.update(archive.read(pickles[0]))
+                self.written_as = pickles[0].filename.rsplit("/", 1)[0] + ".pt"  # torch.save names it so
             except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
                 raise self.invalid(f"is not an archive torch.save wrote ({e})") from e
             self.records = {}  # data offset -> record
@@ -420,6 +424,14 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
     def load(name: str) -> _PtFile:
         return _PtFile(table.add(open_regular(os.path.join(folder, name)), name), name)
 
+    def check_names(files: list[_PtFile]) -> None:
+        """Each file of a rank bears (inside) the name it was saved under: a copy of another
+        rank's file of the same sizes would otherwise load as silently wrong values."""
+        for file in files:
+            if file.written_as != file.key and any(p.fullmatch(file.written_as) for p in (_OPTIM_STATES, _MODEL_STATES)):
+                raise file.invalid(f"was written as {file.written_as} (torch.save names the archive inside after "
+                                   "the file): another rank's file copied over this one? Copy the save again")
+
     optim_files = [load(optim[rank]) for rank in range(len(optim))]
     world = len(optim_files)
     states = [f.get(f.state, "optimizer_state_dict", dict, "entry") for f in optim_files]
@@ -433,6 +445,7 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
         raise first.invalid(f"partition_count {_brief(states[0].get('partition_count'))} is not a count of ranks")
     _check_saved_ranks(folder, optim, max(counts), "optimizer states (*_optim_states.pt)",
                        f"partition_count in {first.key}")
+    check_names(optim_files)
     key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
     flat = []
     for f, state in zip(optim_files, states):
@@ -448,6 +461,7 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
     _check_saved_ranks(folder, model, expected, "model states (*_model_states.pt)",
                        f"a ZeRO-{stage} save by {world} ranks writes {expected}")
     model_files = [load(model[rank]) for rank in range(expected)]
+    check_names(model_files)
     main = model_files[0]
     groups = main.get(main.state, "param_shapes", list, "entry")
     param_shapes = [_shapes(main, g, f"param_shapes[{i}]") for i, g in enumerate(groups)]
