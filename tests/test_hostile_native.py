@@ -320,6 +320,42 @@ def test_entries_of_the_wrong_kind_or_size(ckpt, entry, why):
     assert len(message) < 2000
 
 
+def _hash_bomb(depth: int) -> bytes:
+    """A dict keyed by a tuple nest whose level ``i + 1`` is (level i, level i): hashing the key
+    takes 2**depth steps in C code, which no signal interrupts; the pickle is a few hundred bytes."""
+    get = [pickle.LONG_BINGET + i.to_bytes(4, "little") for i in range(depth)]
+    put = [pickle.LONG_BINPUT + i.to_bytes(4, "little") for i in range(depth + 1)]
+    levels = b"".join(get[i] + get[i] + pickle.TUPLE2 + put[i + 1] for i in range(depth))
+    return (pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + pickle.BININT1 + b"\x07" + put[0] + levels
+            + pickle.BININT1 + b"\x01" + pickle.SETITEM + pickle.STOP)
+
+
+def test_a_pickle_that_would_take_forever_to_unpickle(ckpt):
+    _rewrite_archive(optim(ckpt, 1), replace={"data.pkl": _hash_bomb(60)})
+    kind, message, path, _ = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and path == str(optim(ckpt, 1))
+    assert "would build an object of more than" in message
+
+
+def test_a_tensor_whose_methods_the_pickle_replaces(ckpt, reference):
+    """weights_only restores a tensor's attributes: ``numel`` set to a class that builds 0 must
+    not change what zload reads (it calls torch's own methods)."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    def lie(state):
+        state["optimizer_state_dict"]["fp32_flat_groups"][0].numel = ZeroStageEnum
+
+    _resave(optim(ckpt, 1), lie)
+    loaded(ckpt.folder, reference)
+
+
+def test_rank_files_of_different_steps(ckpt):
+    """Rank 1's model states left by an earlier save to the same tag, of the same sizes."""
+    _resave(model_states(ckpt, 1), lambda state: state.update(global_steps=7))
+    kind, message, path, _ = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and "model states are of different steps" in message
+
+
 def test_a_pickle_that_is_not_a_dict(ckpt):
     path = model_states(ckpt, 0)
     torch.save([1, 2, 3], path)

@@ -253,3 +253,32 @@ def test_a_tensor_listed_twice(where):
                    buffers={"b": ((4,), "F32")} if where == "buffer" else None)
     message = problems_of(layout)
     assert "'a'" in message or "'b'" in message, message
+
+
+def test_masters_kept_in_16_bits():
+    """DeepSpeed keeps 16-bit masters when told to (bf16_master_weights_and_grads): the entries
+    are of the flat groups' dtype, and their byte offsets of its size."""
+    disk = Disk()
+    layout = zero3(disk, 3, [AWKWARD])
+    layout.flat = [[disk.store(s.file + "-bf16", [disk.files[s.file][s.start + 4 * k] for k in range(s.numel)],
+                               "BF16") for s in flat] for flat in layout.flat]
+    entries, problems = native_entries(layout)
+    assert problems == [] and {e.dtype for e in entries.values()} == {"BF16"}
+    for name, entry in entries.items():
+        assert disk.read(entry) == ids(name, AWKWARD[name]), name
+
+
+def test_an_empty_tensor_lies_in_a_file_of_the_checkpoint():
+    """So that ranks lacking the checkpoint are sent it with that file's tensors."""
+    entries, _ = native_entries(zero3(Disk(), 2, [AWKWARD]))
+    assert entries["empty"].files == ("optim0",) and entries["empty_rows"].files == ("optim0",)
+
+
+def test_a_nest_of_shared_lists_prints_briefly():
+    """A hostile value in a message: 2**60 items if printed whole."""
+    from zload.index import _brief
+
+    nest = [1]
+    for _ in range(60):
+        nest = [nest, nest]
+    assert len(_brief(nest)) < 300

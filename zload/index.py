@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import reprlib
 import struct
 from dataclasses import dataclass, field
 from math import prod
@@ -125,7 +126,7 @@ class CheckpointIndex:
     @property
     def total_bytes(self) -> int:
         """The bytes of the tensors stored, a tied alias of a DeepSpeed checkpoint counted once."""
-        return sum({(t.file, t.start, t.fragments): t.nbytes for t in self.tensors.values()}.values())
+        return sum({(t.file, t.start, t.fragments): t.nbytes for t in self.tensors.values() if t.nbytes}.values())
 
     def close(self) -> None:
         """Close the files (also done when the index is garbage-collected)."""
@@ -139,10 +140,16 @@ class CheckpointIndex:
         self.close()
 
 
+_NESTED = reprlib.Repr()  # keyword arguments only from Python 3.12
+_NESTED.maxlevel, _NESTED.maxstring, _NESTED.maxother, _NESTED.maxlong = 3, 60, 60, 60
+_NESTED.maxtuple = _NESTED.maxlist = _NESTED.maxdict = _NESTED.maxset = _NESTED.maxfrozenset = 8
+
+
 def _brief(value, limit: int = 200) -> str:
     """``repr(value)``, cut short: a hostile header must not make a 100 MB error message that
-    every rank then exchanges."""
-    text = repr(value)
+    every rank then exchanges, nor a nest of shared lists one that takes 2**depth steps to print
+    (containers are printed a few items and levels deep)."""
+    text = repr(value) if isinstance(value, (str, bytes, int, float, type(None))) else _NESTED.repr(value)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
 
 

@@ -22,6 +22,7 @@ size, inside the file, before its bytes are indexed. The geometry is DeepSpeed's
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import re
@@ -83,6 +84,57 @@ def _refusal(e: Exception) -> str:
     return " ".join(text.split())[:300]
 
 
+_MAX_PICKLE_NODES = 10_000_000  # a DeepSpeed pickle holds thousands; shared references count each time
+_IN_PLACE = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}  # grow the object below
+
+
+def check_expansion(data: bytes) -> None:
+    """Raise ``ValueError`` if unpickling ``data`` would build an object of more than
+    ``_MAX_PICKLE_NODES`` parts, shared references counted each time they are used.
+
+    A few hundred bytes of pickle can reuse memoised objects to build a nest whose hashing (a
+    dict key) or printing takes 2**depth steps inside C code, where no signal interrupts it. This
+    walks the opcodes once, keeping for each object on the unpickler's stack (and in its memo)
+    how many parts it holds, without building anything.
+    """
+    import pickletools
+
+    stack: list[list[int]] = []  # one mutable count per object: the memo and the stack share them
+    marks: list[int] = []
+    memo: dict = {}
+    try:
+        for op, arg, position in pickletools.genops(data):
+            name = op.name
+            if name == "MARK":
+                marks.append(len(stack))
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo[arg])
+            elif name == "STOP":
+                return
+            else:
+                popped: list[list[int]] = []
+                for kind in reversed(op.stack_before):
+                    if kind is pickletools.markobject:
+                        start = marks.pop()
+                        popped[:0] = stack[start:]
+                        del stack[start:]
+                    elif kind is not pickletools.stackslice:  # a slice goes with its mark
+                        popped.insert(0, stack.pop())
+                if name in _IN_PLACE:
+                    popped[0][0] += sum(c[0] for c in popped[1:])
+                    counts = popped[:1]
+                else:
+                    counts = [[1 + sum(c[0] for c in popped)] for _ in op.stack_after]
+                if any(c[0] > _MAX_PICKLE_NODES for c in counts):
+                    raise ValueError(f"it would build an object of more than {_MAX_PICKLE_NODES:,} parts "
+                                     f"(opcode {name} at byte {position})")
+                stack.extend(counts)
+    except (IndexError, KeyError) as e:
+        raise ValueError(f"a malformed pickle ({type(e).__name__} while walking its opcodes)") from e
+
+
 class _Inert:
     """Stands in for each class a checkpoint's pickle names that torch does not allow: built
     from anything, it keeps and runs nothing (zload reads no such object)."""
@@ -129,7 +181,8 @@ class _PtFile:
                 if pickles[0].file_size > MAX_HEADER_BYTES:  # it is read whole, three times
                     raise zipfile.BadZipFile(f"record {pickles[0].filename!r} is {pickles[0].file_size} bytes, "
                                              f"over the {MAX_HEADER_BYTES}-byte limit zload sets for it")
-                digest.update(archive.read(pickles[0]))
+                pickled = archive.read(pickles[0])
+                digest.update(pickled)
                 self.written_as = pickles[0].filename.rsplit("/", 1)[0] + ".pt"  # torch.save names it so
             except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
                 raise self.invalid(f"is not an archive torch.save wrote ({e})") from e
@@ -138,6 +191,7 @@ class _PtFile:
                 self.records[self._data_offset(info)] = info
                 digest.update(repr((info.filename, info.header_offset, info.file_size)).encode())
             try:
+                check_expansion(pickled)
                 f.seek(0)
                 unknown = torch.serialization.get_unsafe_globals_in_checkpoint(f)
                 stand_ins = [(int if name == _STAGE_ENUM else _Inert, name) for name in unknown]
@@ -176,22 +230,25 @@ class _PtFile:
 
         if not isinstance(value, torch.Tensor) or value.device.type != "meta":
             raise self.invalid(f"{what} is {type(value).__name__}, expected a tensor", what)
+        # torch's own methods, unbound: the pickle may have set attributes of these names on it
+        tensor = torch.Tensor
         code = _CODES.get(str(value.dtype).removeprefix("torch."))
         if code is None:
             raise self.invalid(f"{what} has dtype {value.dtype}, which zload cannot read", what)
-        storage = value.untyped_storage()
+        storage = tensor.untyped_storage(value)
         base = getattr(storage, "_checkpoint_offset", None)
         info = self.records.get(base)
         if info is None or "/data/" not in info.filename:
             raise self.invalid(f"{what}: its storage does not start a data record of the archive", what)
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size != storage.nbytes():
+        nbytes = torch.UntypedStorage.nbytes(storage)
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
             raise self.invalid(f"{what}: record {info.filename!r} is compressed or not "
-                               f"{storage.nbytes()} bytes; torch.save stores tensors uncompressed", what)
-        size = value.element_size()
-        if base + info.file_size > self.opened.identity.size or not value.is_contiguous() \
-                or (value.storage_offset() + value.numel()) * size > info.file_size:
+                               f"{nbytes} bytes; torch.save stores tensors uncompressed", what)
+        size, offset, numel = tensor.element_size(value), tensor.storage_offset(value), tensor.numel(value)
+        if base + info.file_size > self.opened.identity.size or not tensor.is_contiguous(value) \
+                or (offset + numel) * size > info.file_size:
             raise self.invalid(f"{what}: not a contiguous tensor inside its record", what)
-        return Stored(self.key, base + value.storage_offset() * size, value.numel(), code, tuple(value.shape))
+        return Stored(self.key, base + offset * size, numel, code, tuple(value.shape))
 
 
 def _shape(file: _PtFile, value, what: str) -> tuple[int, ...]:
@@ -205,26 +262,45 @@ def _shape(file: _PtFile, value, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _entry(name: str, dtype: str, shape: tuple[int, ...], pieces: list[Fragment]) -> TensorEntry:
+def _entry(name: str, dtype: str, shape: tuple[int, ...], pieces: list[Fragment], home: str) -> TensorEntry:
+    """``name`` stored in ``pieces``; an empty tensor has none, and lies (in name) in ``home``, so
+    that ranks lacking the checkpoint are sent it with that file's tensors."""
     numel = prod(shape)
     if len(pieces) == 1 and pieces[0].numel == numel:
         return TensorEntry(name, pieces[0].file, dtype, shape, pieces[0].start, numel * DTYPES[dtype][1])
-    file = pieces[0].file if pieces else ""
-    return TensorEntry(name, file, dtype, shape, -1, numel * DTYPES[dtype][1], tuple(pieces))
+    if not pieces:
+        return TensorEntry(name, home, dtype, shape, 0, 0)
+    return TensorEntry(name, pieces[0].file, dtype, shape, -1, numel * DTYPES[dtype][1], tuple(pieces))
 
 
-def _fragments(flat: list[Stored], first: int, count: int, element: int) -> list[Fragment]:
-    """The fragments of elements ``[first, first + count)`` of the concatenation of ``flat``,
-    placed at element ``element`` onward of the tensor they belong to."""
-    pieces, offset = [], 0
-    for stored in flat:
-        low, high = max(first, offset), min(first + count, offset + stored.numel)
-        if low < high:
-            size = DTYPES[stored.dtype][1]
-            pieces.append(Fragment(element + low - first, high - low, stored.file,
-                                   stored.start + (low - offset) * size))
-        offset += stored.numel
-    return pieces
+def _whole(name: str, stored: Stored, shape: tuple[int, ...]) -> TensorEntry:
+    """``name``, of ``shape``, stored whole as ``stored``."""
+    return _entry(name, stored.dtype, shape, _Flat([stored]).fragments(0, stored.numel, 0), stored.file)
+
+
+class _Flat:
+    """Stored tensors read as one concatenation (a rank's fp32 flat groups, a ZeRO-1/2 group's
+    partitions of all ranks)."""
+
+    def __init__(self, stored: list[Stored]):
+        self.stored = stored
+        self.starts = [0]
+        for s in stored:
+            self.starts.append(self.starts[-1] + s.numel)
+
+    def fragments(self, first: int, count: int, element: int) -> list[Fragment]:
+        """The fragments of elements ``[first, first + count)``, placed at element ``element``
+        onward of the tensor they belong to."""
+        pieces = []
+        i = max(0, bisect.bisect_right(self.starts, first) - 1)
+        while i < len(self.stored) and self.starts[i] < first + count:
+            stored, offset = self.stored[i], self.starts[i]
+            low, high = max(first, offset), min(first + count, offset + stored.numel)
+            if low < high:
+                pieces.append(Fragment(element + low - first, high - low, stored.file,
+                                       stored.start + (low - offset) * DTYPES[stored.dtype][1]))
+            i += 1
+        return pieces
 
 
 @dataclass
@@ -281,12 +357,19 @@ def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[
     world, entries, problems = layout.world, {}, _listed_twice(layout)
     trainable = [(name, shape) for group in layout.param_shapes for name, shape in group.items()]
     sizes = [[s.numel for s in flat] for flat in layout.flat]
+    home = layout.flat[0][0].file if layout.flat and layout.flat[0] else ""
+    # fp32 unless DeepSpeed was told to keep 16-bit masters (bf16_master_weights_and_grads)
+    masters = {s.dtype for flat in layout.flat for s in flat}
+    if len(masters) > 1:
+        problems.append(f"the fp32 flat groups mix dtypes {sorted(masters)} ({_files(layout.flat[0])})")
+        return entries, problems
+    master = masters.pop() if masters else "F32"
 
     def add_trainable(name: str, shape: tuple[int, ...], pieces: list[Fragment]) -> None:
         covered = sum(p.numel for p in pieces)  # short only when the sizes lie (ZeRO-1/2's slack)
         if covered != prod(shape):
             problems.append(f"'{name}': only {covered} of its {prod(shape)} elements lie inside the fp32 partitions")
-        entries[name] = _entry(name, "F32", shape, pieces)
+        entries[name] = _entry(name, master, shape, pieces, home)
 
     # ZeRO-3's partitions are all alike; ZeRO-1/2 drops the group's padding from the last ones
     differing = next((rank for rank, s in enumerate(sizes) if len(s) != len(sizes[0])
@@ -298,10 +381,11 @@ def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[
         return entries, problems
     if layout.stage == 3:
         offset, total = 0, sum(sizes[0])
+        flats = [_Flat(flat) for flat in layout.flat]
         for name, shape in trainable:
             partitions = [Partition(prod(shape), world, rank) for rank in range(world)]
             add_trainable(name, shape, [piece for rank, part in enumerate(partitions)
-                                        for piece in _fragments(layout.flat[rank], offset, part.valid, part.start)])
+                                        for piece in flats[rank].fragments(offset, part.valid, part.start)])
             offset += partitions[0].size
         if offset != total:
             problems.append(f"the partitions of the parameters, up to the last one "
@@ -319,10 +403,10 @@ def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[
                 problems.append(f"group {g} (of {_quoted(group)}): {len(group)} parameters but "
                                 f"{len(group_paddings)} alignment paddings")
                 continue
-            whole = [layout.flat[rank][g] for rank in range(world)]
+            whole = _Flat([layout.flat[rank][g] for rank in range(world)])
             offset = 0
             for (name, shape), padding in zip(group.items(), group_paddings):
-                add_trainable(name, shape, _fragments(whole, offset, prod(shape), 0))
+                add_trainable(name, shape, whole.fragments(offset, prod(shape), 0))
                 offset += prod(shape) + padding
             # as zero_to_fp32: the group was padded to a multiple of 2 * world, and the padding
             # dropped from the last partitions
@@ -341,20 +425,20 @@ def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[
                                 f"{world} ranks, found {[p.numel for p in parts]}")
                 continue
             pieces = [Fragment(part.start, part.valid, p.file, p.start) for part, p in zip(partitions, parts)]
-            entries[name] = _entry(name, dtype, shape, [p for p in pieces if p.numel])
+            entries[name] = _entry(name, dtype, shape, [p for p in pieces if p.numel], parts[0].file)
         elif len(parts) != 1 or parts[0].numel != numel:
             problems.append(f"frozen parameter '{name}': expected one tensor of {numel} elements")
         else:
-            entries[name] = _entry(name, dtype, shape, _fragments(parts, 0, numel, 0))
+            entries[name] = _whole(name, parts[0], shape)
     if module_weights and layout.stage < 3:
         for name, shape in trainable:
             stored = layout.module.get(name)
             if stored is None or stored.numel != prod(shape):
                 problems.append(f"'{name}': the module's weights lack it, or hold another size")
                 continue
-            entries[name] = _entry(name, stored.dtype, shape, _fragments([stored], 0, stored.numel, 0))
+            entries[name] = _whole(name, stored, shape)
     for name, stored in layout.buffers.items():
-        entries[name] = _entry(name, stored.dtype, stored.shape, _fragments([stored], 0, stored.numel, 0))
+        entries[name] = _whole(name, stored, stored.shape)
     for alias, name in layout.shared.items():
         if name in entries and alias not in entries:
             entry = entries[name]
@@ -443,6 +527,9 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
     counts = counts if isinstance(counts, list) else [counts]
     if not counts or not all(isinstance(c, int) and c > 0 for c in counts):
         raise first.invalid(f"partition_count {_brief(states[0].get('partition_count'))} is not a count of ranks")
+    if len(set(counts)) > 1:
+        raise first.invalid(f"parameter groups partitioned over {sorted(set(counts))} ranks: expert parallelism, "
+                            "which zload does not read; convert it with DeepSpeed's ds_to_universal.py")
     _check_saved_ranks(folder, optim, max(counts), "optimizer states (*_optim_states.pt)",
                        f"partition_count in {first.key}")
     check_names(optim_files)
@@ -463,6 +550,13 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
     model_files = [load(model[rank]) for rank in range(expected)]
     check_names(model_files)
     main = model_files[0]
+    if main.state.get("ds_autoep_layers"):
+        raise main.invalid("an AutoEP save (experts partitioned over expert groups), which zload does not read; "
+                           "convert it with DeepSpeed's ds_to_universal.py")
+    steps = {f.key: f.state.get("global_steps") for f in model_files}
+    if len(set(map(repr, steps.values()))) > 1:  # a rank's file left by an earlier save to the same tag
+        raise main.invalid(f"the ranks' model states are of different steps ({_brief(steps)}); copy the save "
+                           "again, or remove the files an older save left")
     groups = main.get(main.state, "param_shapes", list, "entry")
     param_shapes = [_shapes(main, g, f"param_shapes[{i}]") for i, g in enumerate(groups)]
     frozen_shapes = _shapes(main, main.state.get("frozen_param_shapes") or {}, "frozen_param_shapes")
