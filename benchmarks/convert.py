@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import json
 import os
 import re
 import resource
@@ -40,7 +39,7 @@ import time
 
 from .load import HERE, MB, REPO, log
 from .load.checkpoint import llama_config, parse_size_spec, warm_page_cache
-from .load.report import host_info, zload_source_hash
+from .load.report import save_results
 
 METHODS = {  # name -> command, with CHECKPOINT and OUT filled in
     "zero_to_fp32": lambda ckpt, out: [sys.executable, os.path.join(ckpt, "zero_to_fp32.py"), ckpt, out,
@@ -235,15 +234,8 @@ def main(argv=None) -> int:
         build(args.build, os.path.join(args.build, "config.json"))
         return 0
     results = [measure_size(name, nbytes, args) for name, nbytes, _ in args.size]
-    data = {"command": "python -m benchmarks.convert " + " ".join(argv), "date": time.strftime("%Y-%m-%d"),
-            "host": host_info(), "zload_source": zload_source_hash(os.path.join(REPO, "zload")), "results": results}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"convert-{args.name}")
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(data))
-    print(markdown(data))
+    save_results(args.out, f"convert-{args.name}", "python -m benchmarks.convert " + " ".join(argv), results,
+                 markdown)
     return 0
 
 

@@ -18,12 +18,12 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import zload
 from zload.converting import byte_share
 from zload.save_plan import OutTensor, layout
 
+from .checkpoints import read_all
 from .harness import run_world
 from .zero3 import assert_bit_equal
 
@@ -123,15 +123,6 @@ def deepspeed_reference(folder) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 # helpers
 
-def _read_all(folder) -> dict[str, torch.Tensor]:
-    saved = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        part = load_file(str(f))
-        assert not saved.keys() & part.keys(), f"{f.name}: a tensor written twice"
-        saved.update(part)
-    return saved
-
-
 def _files(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
 
@@ -146,7 +137,7 @@ def _aliases(folder) -> dict[str, str]:
 def _check_master(out, folder) -> dict[str, torch.Tensor]:
     """``out`` holds DeepSpeed's reference, names, dtypes and bits, each tied alias once under the
     name stored."""
-    reference, written, aliases = deepspeed_reference(folder), _read_all(out), _aliases(folder)
+    reference, written, aliases = deepspeed_reference(folder), read_all(out), _aliases(folder)
     assert set(aliases) <= set(reference)
     assert sorted(written) == sorted(set(reference) - set(aliases))
     for name, tensor in written.items():
@@ -226,7 +217,7 @@ def test_module_weights_are_the_engines_16_bit_weights(zero3_w2, tmp_path):
     """ZeRO-3 stores only fp32 masters; cast to bf16 they are bit for bit the live engine's
     gathered weights (frozen ones too)."""
     zload.convert(zero3_w2.folder, tmp_path / "out", weights="module")
-    written = _read_all(tmp_path / "out")
+    written = read_all(tmp_path / "out")
     assert sorted(written) == sorted(set(zero3_w2.module_weights) - {"lm_head.weight"})
     for name, tensor in written.items():
         assert_bit_equal(tensor, zero3_w2.module_weights[name], name)
@@ -235,7 +226,7 @@ def test_module_weights_are_the_engines_16_bit_weights(zero3_w2, tmp_path):
 def test_zero2_module_weights_as_stored(tmp_path):
     case = make_native_checkpoint(tmp_path / "ckpt", world=2, stage=2, model="buffers")
     zload.convert(case.folder, tmp_path / "out", weights="module")
-    written = _read_all(tmp_path / "out")
+    written = read_all(tmp_path / "out")
     assert sorted(written) == sorted(set(case.module_weights) - {"head.weight"})
     for name, tensor in written.items():
         assert_bit_equal(tensor, case.module_weights[name], name)
@@ -347,7 +338,7 @@ def test_cli(zero3_w2, tmp_path):
     zload.convert(zero3_w2.folder, tmp_path / "api", max_shard_size="10KB")
     assert _files(tmp_path / "cli") == _files(tmp_path / "api")
     assert main(["convert", zero3_w2.tag_folder, str(tmp_path / "module"), "--module-weights"]) == 0
-    assert _read_all(tmp_path / "module")["model.norm.weight"].dtype == torch.bfloat16
+    assert read_all(tmp_path / "module")["model.norm.weight"].dtype == torch.bfloat16
     assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
 
 
