@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 # Native checkpoints. A minimal builder until tests/native_checkpoints.py (same names) lands.
 
 class WithBuffers(torch.nn.Module):
-    """Tied embeddings, a frozen layer, and persistent buffers: a floating one (saved in 16 bits
-    under bf16, restored to fp32 by zero_to_fp32) and an integer one (kept as it is)."""
+    """Tied embeddings, a frozen layer, and persistent buffers: floating ones (one kept in bf16
+    whatever the engine does, which zero_to_fp32 restores to fp32) and an integer one (kept as it is)."""
 
     def __init__(self):
         super().__init__()
@@ -48,10 +48,11 @@ class WithBuffers(torch.nn.Module):
         self.head.weight = self.embed.weight
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
         self.register_buffer("steps", torch.arange(5))
+        self.register_buffer("shift", torch.linspace(-1, 1, 6).bfloat16())
 
     def forward(self, input_ids, labels):
         hidden = self.out(self.mid(self.embed(input_ids)))
-        hidden = hidden * self.scale.to(hidden.dtype)
+        hidden = hidden * self.scale.to(hidden.dtype) + self.shift.to(hidden.dtype)
         return torch.nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), labels.flatten())
 
 
@@ -198,9 +199,9 @@ def test_other_world_sizes_stages_and_layouts(tmp_path, stage, world, groups, of
     case = make_native_checkpoint(tmp_path / "ckpt", world=world, stage=stage, sub_group_size=groups,
                                   offload_optimizer=offload, model="buffers")
     written = _check_master(_converted(case.folder, tmp_path / "out"), case.folder)
-    assert written["scale"].dtype == torch.float32 and written["steps"].dtype == torch.int64
-    if stage == 3 and not offload:  # the engine made the buffer bf16 (saved so): restored to float32
-        assert case.module_weights["scale"].dtype == torch.bfloat16
+    assert case.module_weights["shift"].dtype == torch.bfloat16  # saved in bf16, restored to float32
+    assert written["scale"].dtype == written["shift"].dtype == torch.float32
+    assert written["steps"].dtype == torch.int64
     assert "head.weight" not in written and "embed.weight" in written
 
 
@@ -230,6 +231,7 @@ def test_zero2_module_weights_as_stored(tmp_path):
     assert sorted(written) == sorted(set(case.module_weights) - {"head.weight"})
     for name, tensor in written.items():
         assert_bit_equal(tensor, case.module_weights[name], name)
+    assert written["shift"].dtype == torch.bfloat16
 
 
 # ---------------------------------------------------------------------------------------------
