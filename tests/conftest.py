@@ -21,3 +21,25 @@ def _fresh_process_state():
     """In-process tests, like rank bodies (see ``harness``), start from zload's state as a new
     process has it."""
     reset_process_state()
+
+
+@pytest.fixture(scope="session")
+def native_checkpoint(tmp_path_factory):
+    """``make_native_checkpoint(**options)``, made once per distinct options in a session: each
+    costs a training step in a world of ranks, and several test files read the same cases."""
+    import inspect
+
+    from .native_checkpoints import make_native_checkpoint
+
+    signature, cases = inspect.signature(make_native_checkpoint), {}
+
+    def get(**options):
+        bound = signature.bind(None, **options)
+        bound.apply_defaults()
+        key = tuple((k, v) for k, v in bound.arguments.items() if k != "root")
+        if key not in cases:
+            folder = tmp_path_factory.mktemp("native-" + "-".join(f"{k}{v}" for k, v in options.items()))
+            cases[key] = make_native_checkpoint(folder / "checkpoint", **options)
+        return cases[key]
+
+    return get

@@ -1,8 +1,10 @@
 """``zload.convert`` / ``zload convert``: DeepSpeed's own checkpoints into Hugging Face safetensors.
 
-Checkpoints are real: ``deepspeed.initialize``, one training step, ``engine.save_checkpoint``. The
-reference is DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``: every tensor written
-must equal it bit for bit, in name and dtype, a tied alias written once under the name stored.
+Checkpoints are real: ``deepspeed.initialize``, one training step, ``engine.save_checkpoint``
+(tests/native_checkpoints.py, the cases of tests/test_native_checkpoints.py, built once a
+session). The reference is DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``: every
+tensor written must equal it bit for bit, in name and dtype, a tied alias written once under the
+name stored.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -25,100 +26,14 @@ from zload.save_plan import OutTensor, layout
 
 from .checkpoints import read_all
 from .harness import run_world
+from .models import tiny_llama_config
+from .native_checkpoints import NativeCase, deepspeed_reference, zload_reference
+from .test_native_checkpoints import CASES
 from .zero3 import assert_bit_equal
 
 transformers = pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-# ---------------------------------------------------------------------------------------------
-# Native checkpoints. A minimal builder until tests/native_checkpoints.py (same names) lands.
-
-class WithBuffers(torch.nn.Module):
-    """Tied embeddings, a frozen layer, and persistent buffers: floating ones (one kept in bf16
-    whatever the engine does, which zero_to_fp32 restores to fp32) and an integer one (kept as it is)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(11, 6)
-        self.mid = torch.nn.Linear(6, 7)
-        self.out = torch.nn.Linear(7, 6)
-        self.head = torch.nn.Linear(6, 11, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
-        self.register_buffer("steps", torch.arange(5))
-        self.register_buffer("shift", torch.linspace(-1, 1, 6).bfloat16())
-
-    def forward(self, input_ids, labels):
-        hidden = self.out(self.mid(self.embed(input_ids)))
-        hidden = hidden * self.scale.to(hidden.dtype) + self.shift.to(hidden.dtype)
-        return torch.nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), labels.flatten())
-
-
-class NativeCheckpoint(NamedTuple):
-    folder: str  # what save_checkpoint wrote (holds `latest`)
-    tag_folder: str
-    module_weights: dict[str, torch.Tensor]  # the engine's own (16-bit) weights, gathered, every name
-    masters: dict[str, torch.Tensor]  # trainable parameters' fp32 masters, gathered
-
-
-def _native_body(root, stage, dtype, frozen, tied, offload_optimizer, sub_group_size, model) -> NativeCheckpoint:
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    from .models import tiny_llama_config
-    from .zero3 import full_state
-
-    zero = {"stage": stage}
-    if sub_group_size:
-        zero["sub_group_size"] = sub_group_size
-    if offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu"}
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
-              "zero_force_ds_cpu_optimizer": False, "zero_optimization": zero,
-              "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
-    torch.manual_seed(11)
-    llama = transformers.LlamaForCausalLM  # imported before zero.Init, which its import fails under
-    factory = (lambda: llama(tiny_llama_config(tie=tied))) if model == "llama" else WithBuffers
-    if stage == 3:
-        with deepspeed.zero.Init(config_dict_or_path=config):
-            module = factory()
-    else:
-        module = factory()
-    if frozen:
-        for name, p in module.named_parameters():
-            p.requires_grad_(not name.startswith(("model.layers.0.mlp.", "mid.")))
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=module, config=config,
-                                      optimizer=torch.optim.AdamW(trainable, lr=1e-2))
-    ids = torch.randint(0, 11, (1, 8), generator=torch.Generator().manual_seed(3))
-    loss = engine(input_ids=ids, labels=ids)
-    engine.backward(loss.loss if hasattr(loss, "loss") else loss)
-    engine.step()
-    engine.save_checkpoint(root)
-    if model == "llama" and engine.global_rank == 0:
-        module.config.to_json_file(os.path.join(root, "config.json"))  # as an HF Trainer checkpoint-N/
-    weights = full_state(engine.module)
-    masters = {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()
-               if p.requires_grad}  # a collective: every rank, in the same order
-    tag = open(os.path.join(root, "latest")).read().strip()
-    return NativeCheckpoint(str(root), os.path.join(root, tag), weights, masters)
-
-
-def make_native_checkpoint(root, *, world: int = 2, stage: int = 3, dtype: str = "bf16", frozen: bool = True,
-                           tied: bool = True, offload_optimizer: bool = False, sub_group_size: int | None = None,
-                           model: str = "llama") -> NativeCheckpoint:
-    """A real DeepSpeed checkpoint in ``root`` (saved by ``world`` ranks after one step)."""
-    return run_world(world, _native_body, str(root), stage, dtype, frozen, tied, offload_optimizer,
-                     sub_group_size, model)[0]
-
-
-def deepspeed_reference(folder) -> dict[str, torch.Tensor]:
-    """DeepSpeed's own conversion, every tensor contiguous."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return {k: v.contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(folder)).items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,19 +43,12 @@ def _files(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
 
 
-def _aliases(folder) -> dict[str, str]:
-    tag = Path(folder, "latest").read_text().strip()
-    rank0 = sorted(Path(folder, tag).glob("*mp_rank_00_model_states.pt"))[0]  # rank 0's records them
-    state = torch.load(rank0, map_location="cpu", weights_only=False)
-    return state["shared_params"]
-
-
-def _check_master(out, folder) -> dict[str, torch.Tensor]:
-    """``out`` holds DeepSpeed's reference, names, dtypes and bits, each tied alias once under the
-    name stored."""
-    reference, written, aliases = deepspeed_reference(folder), read_all(out), _aliases(folder)
-    assert set(aliases) <= set(reference)
-    assert sorted(written) == sorted(set(reference) - set(aliases))
+def _check_master(out, case: NativeCase) -> dict[str, torch.Tensor]:
+    """``out`` holds what zload reads of ``case`` (DeepSpeed's reference), names, dtypes and
+    bits, each tied alias once, under the name stored."""
+    reference, written = zload_reference(case), read_all(out)
+    assert set(case.tied) <= set(reference)
+    assert sorted(written) == sorted(set(reference) - set(case.tied))
     for name, tensor in written.items():
         assert_bit_equal(tensor, reference[name], name)
     assert zload.open_checkpoint(out).tensors.keys() == written.keys()
@@ -160,19 +68,24 @@ def _convert_body(folder, out, kwargs) -> list[str]:
 # master weights: DeepSpeed's reference
 
 @pytest.fixture(scope="module")
-def zero3_w2(tmp_path_factory) -> NativeCheckpoint:
-    """A bf16 tiny Llama, ZeRO-3 on 2 ranks, frozen parameters and tied embeddings."""
-    return make_native_checkpoint(tmp_path_factory.mktemp("z3w2") / "checkpoint-1", world=2)
+def zero3_w2(native_checkpoint, tmp_path_factory) -> NativeCase:
+    """A bf16 tiny Llama, ZeRO-3 on 2 ranks, frozen parameters and tied embeddings, in a folder
+    that also holds its config.json, as an HF Trainer's checkpoint-N/ does."""
+    case = native_checkpoint(world=2, stage=3, dtype="bf16")
+    folder = tmp_path_factory.mktemp("trainer") / "checkpoint-1"
+    shutil.copytree(case.folder, folder)
+    tiny_llama_config(tie=True).to_json_file(folder / "config.json")
+    return case._replace(folder=folder, tag_folder=folder / case.tag_folder.name)
 
 
 def test_zero3_bf16_masters_as_deepspeed_writes_them(zero3_w2, tmp_path):
-    written = _check_master(_converted(zero3_w2.folder, tmp_path / "out"), zero3_w2.folder)
-    assert written["model.layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16  # frozen: as stored
-    assert written["model.embed_tokens.weight"].dtype == torch.float32
-    assert not torch.equal(written["model.embed_tokens.weight"],
-                           zero3_w2.module_weights["model.embed_tokens.weight"].float()), "masters are fp32"
+    written = _check_master(_converted(zero3_w2.folder, tmp_path / "out"), zero3_w2)
+    frozen, trainable = zero3_w2.frozen_names[0], "model.embed_tokens.weight"
+    assert written[frozen].dtype == torch.bfloat16 and written[trainable].dtype == torch.float32
+    assert not torch.equal(written[trainable], zero3_w2.module_weights[trainable].float()), "masters are fp32"
+    assert_bit_equal(written[trainable], zero3_w2.masters[trainable], trainable)
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
-    assert (tmp_path / "out" / "config.json").read_bytes() == Path(zero3_w2.folder, "config.json").read_bytes()
+    assert (tmp_path / "out" / "config.json").read_bytes() == (zero3_w2.folder / "config.json").read_bytes()
 
 
 def test_the_output_loads_with_transformers_alone(zero3_w2, tmp_path):
@@ -189,49 +102,31 @@ def test_the_output_loads_with_transformers_alone(zero3_w2, tmp_path):
         assert_bit_equal(tensor, reference[name].float(), name)
 
 
-@pytest.mark.parametrize("stage,world,groups,offload", [(3, 3, None, False), (3, 2, 300, False), (3, 2, None, True),
-                                                        (2, 2, None, False), (2, 2, None, True)])
-def test_other_world_sizes_stages_and_layouts(tmp_path, stage, world, groups, offload):
-    """ZeRO-3 saved by 3 ranks; ZeRO-3 with several fp32 flat groups (a small sub_group_size);
-    ZeRO-2 (parameters crossing the ranks' partitions, the last partition saved without its
-    padding); ZeRO-3 and ZeRO-2 with the optimizer offloaded to the CPU.
-    A model with buffers: the floating one comes out as float32, the integer one as it is."""
-    case = make_native_checkpoint(tmp_path / "ckpt", world=world, stage=stage, sub_group_size=groups,
-                                  offload_optimizer=offload, model="buffers")
-    written = _check_master(_converted(case.folder, tmp_path / "out"), case.folder)
-    assert case.module_weights["shift"].dtype == torch.bfloat16  # saved in bf16, restored to float32
-    assert written["scale"].dtype == written["shift"].dtype == torch.float32
-    assert written["steps"].dtype == torch.int64
-    assert "head.weight" not in written and "embed.weight" in written
-
-
-def test_fp32_zero1_from_one_rank(tmp_path):
-    case = make_native_checkpoint(tmp_path / "ckpt", world=1, stage=1, dtype="fp32", model="buffers")
-    written = _check_master(_converted(case.folder, tmp_path / "out"), case.folder)
-    assert all(t.dtype in (torch.float32, torch.int64) for t in written.values())
+@pytest.mark.parametrize("name", CASES)
+def test_every_kind_of_checkpoint(native_checkpoint, tmp_path, name):
+    """ZeRO-1/2/3, bf16/fp16/fp32, saved by 1-3 ranks; several fp32 flat groups; an offloaded
+    optimizer; ZeRO-1/2's last partitions saved without their padding; buffers (floating ones as
+    float32, integer ones as they are); ZeRO-1's frozen parameters, which DeepSpeed's reader drops,
+    as the module holds them."""
+    case = native_checkpoint(**CASES[name])
+    written = _check_master(_converted(case.folder, tmp_path / "out"), case)
+    for buffer in case.buffer_names:
+        floating = case.module_weights[buffer].is_floating_point()
+        assert written[buffer].dtype == (torch.float32 if floating else case.module_weights[buffer].dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # module weights: the engine's own
 
-def test_module_weights_are_the_engines_16_bit_weights(zero3_w2, tmp_path):
-    """ZeRO-3 stores only fp32 masters; cast to bf16 they are bit for bit the live engine's
-    gathered weights (frozen ones too)."""
-    zload.convert(zero3_w2.folder, tmp_path / "out", weights="module")
-    written = read_all(tmp_path / "out")
-    assert sorted(written) == sorted(set(zero3_w2.module_weights) - {"lm_head.weight"})
-    for name, tensor in written.items():
-        assert_bit_equal(tensor, zero3_w2.module_weights[name], name)
-
-
-def test_zero2_module_weights_as_stored(tmp_path):
-    case = make_native_checkpoint(tmp_path / "ckpt", world=2, stage=2, model="buffers")
-    zload.convert(case.folder, tmp_path / "out", weights="module")
-    written = read_all(tmp_path / "out")
-    assert sorted(written) == sorted(set(case.module_weights) - {"head.weight"})
-    for name, tensor in written.items():
-        assert_bit_equal(tensor, case.module_weights[name], name)
-    assert written["shift"].dtype == torch.bfloat16
+@pytest.mark.parametrize("name", ["z3-bf16-w2-groups", "z3-fp16-w2", "z2-bf16-w2", "z1-bf16-w2-awkward"])
+def test_module_weights_are_the_engines_own(native_checkpoint, tmp_path, name):
+    """ZeRO-3 stores only fp32 masters: cast to the module's 16 bits they are bit for bit the live
+    engine's gathered weights (frozen ones too); ZeRO-1/2 store the module's weights as they are."""
+    case = native_checkpoint(**CASES[name])
+    written = read_all(_converted(case.folder, tmp_path / "out", weights="module"))
+    assert sorted(written) == sorted(set(case.module_weights) - set(case.tied))
+    for tensor_name, tensor in written.items():
+        assert_bit_equal(tensor, case.module_weights[tensor_name], tensor_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,8 +139,8 @@ def test_sharded_as_save_pretrained_shards(zero3_w2, tmp_path):
     n = len(report.files)
     assert n > 2 and report.files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
-    written = _check_master(tmp_path / "out", zero3_w2.folder)
-    assert list(index["weight_map"]) == list(written) or sorted(index["weight_map"]) == sorted(written)
+    written = _check_master(tmp_path / "out", zero3_w2)
+    assert sorted(index["weight_map"]) == sorted(written)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in written.values())
     assert os.listdir(tmp_path / "out").count("config.json") == 1
     done = subprocess.run([sys.executable, "-m", "zload", "validate", "--full", str(tmp_path / "out")],
@@ -259,7 +154,7 @@ def test_processes_write_the_same_bytes_as_one(zero3_w2, tmp_path, world):
         zload.convert(zero3_w2.folder, tmp_path / f"one-{shard}", max_shard_size=shard)
         files = run_world(world, _convert_body, zero3_w2.folder, str(tmp_path / f"many-{shard}"),
                           {"max_shard_size": shard, "staging_bytes": 4096})
-        assert files[0] == files[-1] and len(files[0]) == (1 if shard == "5GB" else len(files[0]))
+        assert files == [files[0]] * world and (len(files[0]) == 1) == (shard == "5GB")
         assert _files(tmp_path / f"many-{shard}") == _files(tmp_path / f"one-{shard}")
 
 
@@ -336,10 +231,10 @@ def test_not_a_deepspeed_checkpoint(tmp_path):
 def test_cli(zero3_w2, tmp_path):
     from zload.cli import main
 
-    assert main(["convert", zero3_w2.folder, str(tmp_path / "cli"), "--max-shard-size", "10KB"]) == 0
+    assert main(["convert", str(zero3_w2.folder), str(tmp_path / "cli"), "--max-shard-size", "10KB"]) == 0
     zload.convert(zero3_w2.folder, tmp_path / "api", max_shard_size="10KB")
     assert _files(tmp_path / "cli") == _files(tmp_path / "api")
-    assert main(["convert", zero3_w2.tag_folder, str(tmp_path / "module"), "--module-weights"]) == 0
+    assert main(["convert", str(zero3_w2.tag_folder), str(tmp_path / "module"), "--module-weights"]) == 0
     assert read_all(tmp_path / "module")["model.norm.weight"].dtype == torch.bfloat16
     assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
 
@@ -348,7 +243,7 @@ def test_cli_under_torchrun(zero3_w2, tmp_path):
     """``torchrun -m zload convert``: the processes join one group, each writes its share."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "zload", "convert", zero3_w2.folder, str(tmp_path / "out")]
+           "-m", "zload", "convert", str(zero3_w2.folder), str(tmp_path / "out")]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("zload: saved") == 2

@@ -25,7 +25,7 @@ from zload.save_plan import parse_size
 from .checkpoints import metadata_with_digest, read_all
 from .harness import run_world
 from .models import tiny_llama_config
-from .zero3 import assert_bit_equal, check_against, full_state
+from .zero3 import assert_bit_equal, check_against, full_state, randomize
 
 transformers = pytest.importorskip("transformers")
 from .test_load_converted import MODELS, _build_nested_zero3
@@ -46,15 +46,6 @@ KINDS = {
 # ---------------------------------------------------------------------------------------------
 # helpers (both sides)
 
-def _randomize(model, seed: int) -> None:
-    """Distinct, deterministic values in every parameter (the same for the same seed and model)."""
-    import deepspeed
-
-    generator = torch.Generator().manual_seed(seed)
-    params = list(model.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
-        for p in params:
-            p.data.copy_(torch.randn(p.shape, generator=generator).to(p.dtype))
 
 
 def _check_layout(folder, max_bytes: int) -> list[str]:
@@ -102,7 +93,7 @@ def _frozen_engine_body(root, offload):
     llama, config = transformers.LlamaForCausalLM, tiny_llama_config()
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = llama(config)
-    _randomize(model, seed=5)
+    randomize(model, seed=5)
     for name, p in model.named_parameters():
         p.requires_grad_(name == "lm_head.weight")
     before = full_state(model)
@@ -155,7 +146,7 @@ def _transposed_master_body(root):
     cls, make_config = MODELS["transposed_llama"]
     with deepspeed.zero.Init(config_dict_or_path=ENGINE_CONFIG):
         model = cls(make_config())
-    _randomize(model, seed=9)
+    randomize(model, seed=9)
     engine, *_ = deepspeed.initialize(model=model, config=ENGINE_CONFIG,
                                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     ids = torch.randint(0, 53, (2, 8), generator=torch.Generator().manual_seed(4))
@@ -189,7 +180,7 @@ def _save_body(kind, root):
     cls, make_config = KINDS[kind]
     config = make_config()
     model = _build_nested_zero3(cls, config, torch.float32)
-    _randomize(model, seed=len(kind))
+    randomize(model, seed=len(kind))
     root = Path(root)
     reports = {
         "out": zload.save(model, root / "out", max_shard_size=SHARD),
@@ -364,7 +355,7 @@ class SavedOnNode(NamedTuple):
 def _save_on_node(node_dirs, staging_bytes):
     cls, make_config = KINDS["llama"]
     model = _build_nested_zero3(cls, make_config(), torch.float32)
-    _randomize(model, seed=len("llama"))  # the same weights as saved_at_3["llama"]
+    randomize(model, seed=len("llama"))  # the same weights as saved_at_3["llama"]
     fresh = _build_nested_zero3(cls, make_config(), torch.float32)
     cwd = os.getcwd()
     try:

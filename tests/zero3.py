@@ -83,6 +83,16 @@ def check_against(model, expected: dict[str, torch.Tensor], names=None) -> int:
     return compared
 
 
+def randomize(model, seed: int) -> None:
+    """Distinct, deterministic values in every parameter (the same for the same seed and model),
+    ZeRO-3 or plain."""
+    generator = torch.Generator().manual_seed(seed)
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        for p in params:
+            p.data.copy_(torch.randn(p.shape, generator=generator).to(p.dtype))
+
+
 def gathered(named: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
     """Whole, cloned values of ``named`` parameters (ZeRO-3 or plain), through GatheredParameters."""
     unique = list({id(p): p for p in named.values()}.values())  # tied names share one parameter

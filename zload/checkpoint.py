@@ -298,17 +298,16 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
     if not lacking:
         return SharedIndex(local)
 
-    # Each file some rank lacks: its first reader sends that file's header entries.
-    mine = {k: [(e.name, e.dtype, e.shape, e.start, e.nbytes) for e in local.tensors.values() if e.file == k]
-            for k in lacking if readers[k][0] == rank}
-    shared: dict[str, list] = {}
+    # Each file some rank lacks: its first reader sends that file's entries, whole (a DeepSpeed
+    # checkpoint's tensors are fragments of several files, listed under the first).
+    mine = {k: [e for e in local.tensors.values() if e.file == k] for k in lacking if readers[k][0] == rank}
+    shared: dict[str, list[TensorEntry]] = {}
     for part in exchange(mine):
         shared.update(part)
     tensors = dict(local.tensors) if local else {}
-    for key, rows in shared.items():
+    for key, entries in shared.items():
         if rank not in readers[key]:
-            for name, dtype, shape, start, nbytes in rows:
-                tensors[name] = TensorEntry(name, key, dtype, tuple(shape), start, nbytes)
+            tensors.update((e.name, e) for e in entries)
     index = CheckpointIndex(local.source if local else source, tuple(keys), tensors,
                             opened=local.opened if local else FileTable(),
                             root=root)

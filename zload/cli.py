@@ -53,9 +53,12 @@ def _natural(name: str) -> list:
 
 
 def inspect_summary(index: CheckpointIndex) -> dict:
-    """Files, totals, dtype histogram and every tensor (in name order) of a valid checkpoint."""
+    """Files, totals, dtype histogram and every tensor (in name order) of a valid checkpoint.
+
+    A tensor of a DeepSpeed checkpoint lies in pieces in several files (each rank's partition):
+    ``files`` lists them all, and each file counts it."""
     tensors = sorted(index.tensors.values(), key=lambda t: _natural(t.name))
-    per_file = Counter(t.file for t in tensors)
+    per_file = Counter(f for t in tensors for f in t.files)
     dtypes: dict[str, dict[str, int]] = {}
     for t in tensors:
         entry = dtypes.setdefault(t.dtype, {"tensors": 0, "bytes": 0})
@@ -72,7 +75,8 @@ def inspect_summary(index: CheckpointIndex) -> dict:
         "file_bytes": sum(f["bytes"] for f in files),
         "dtypes": dict(sorted(dtypes.items())),
         "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
-                     "file": index.path(t.file)} for t in tensors],
+                     "file": index.path(t.file) if t.file else None,
+                     "files": [index.path(f) for f in t.files]} for t in tensors],
     }
 
 
@@ -124,6 +128,12 @@ def _table(rows: list[tuple], right: tuple[int, ...] = ()) -> list[str]:
             for row in rows]
 
 
+def _files_cell(files: list[str]) -> str:
+    """The first file holding a tensor, and how many more do."""
+    more = f" and {len(files) - 1} more" if len(files) > 1 else ""
+    return os.path.basename(files[0]) + more if files else ""
+
+
 def render_inspect(summary: dict, limit: int | None) -> list[str]:
     """The text of ``zload inspect``; ``limit`` caps the tensor table (None: every tensor)."""
     lines = [f"source: {summary['source']}", f"files: {len(summary['files'])}"]
@@ -141,8 +151,8 @@ def render_inspect(summary: dict, limit: int | None) -> list[str]:
         lines.append("tensors:" if len(shown) == len(tensors) else
                      f"tensors (first {len(shown)} of {len(tensors)}):")
         lines += _table([("name", "dtype", "shape", "size", "file")] +
-                        [(t["name"], t["dtype"], str(t["shape"]), human_bytes(t["bytes"]),
-                          os.path.basename(t["file"])) for t in shown], right=(3,))
+                        [(t["name"], t["dtype"], str(t["shape"]), human_bytes(t["bytes"]), _files_cell(t["files"]))
+                         for t in shown], right=(3,))
     if shown and len(shown) < len(tensors):  # --no-tensors (or --limit 0) asked for no list at all
         lines.append(f"  ... {len(tensors) - len(shown)} more (--all to list every tensor)")
     lines.append("valid: yes")

@@ -82,8 +82,10 @@ class TensorEntry:
 
     @property
     def files(self) -> tuple[str, ...]:
-        """The keys of every file that holds a byte of this tensor."""
-        return tuple(dict.fromkeys(f.file for f in self.fragments)) if self.fragments else (self.file,)
+        """The keys of every file that holds this tensor (none for an empty one stored in pieces)."""
+        if self.fragments:
+            return tuple(dict.fromkeys(f.file for f in self.fragments))
+        return (self.file,) if self.file else ()
 
     def spans(self, first: int, count: int) -> list[tuple[str, int, int, int]]:
         """Where elements ``[first, first + count)`` lie: (file, byte offset, element offset

@@ -8,11 +8,14 @@ partition. Each model tensor is indexed as the fragments of those partitions tha
 (``TensorEntry.fragments``), so a load at any world size reads only byte ranges of the saved
 partitions, and nothing gathers the model.
 
-A ``.pt`` file is a zip archive whose tensor records are stored uncompressed. It is unpickled by
-``torch.load(weights_only=True)`` onto the meta device: no tensor data is read, and torch records
-where each storage lies (``_checkpoint_offset``). Every class the pickle names that torch does not
-allow (DeepSpeed's loss scaler, a trainer's client state) becomes an inert stand-in, so nothing in
-a checkpoint runs. Each storage must start a stored (uncompressed) record of the archive, of its
+A ``.pt`` file is a zip archive whose records are stored uncompressed (a compressed pickle is
+refused: it could inflate without bound). It is unpickled by ``torch.load(weights_only=True)``
+onto the meta device: no tensor data is read, and torch records where each storage lies
+(``_checkpoint_offset``). Every class or function the pickle names that torch does not allow
+(DeepSpeed's loss scaler, a trainer's client state, a hostile ``builtins.eval``) becomes an inert
+stand-in, so nothing in a checkpoint runs: where zload reads nothing from it the load goes on,
+where it reads (a stand-in in place of a dict or tensor) the file is refused. torch refuses names
+from ``os``, ``posix``, ``nt`` and ``sys`` outright, so a file naming them is refused. Each storage must start a stored (uncompressed) record of the archive, of its
 size, inside the file, before its bytes are indexed. The geometry is DeepSpeed's own, as
 ``deepspeed/utils/zero_to_fp32.py`` (0.19.8) rebuilds it, checked against the sizes found.
 """
@@ -25,17 +28,19 @@ import re
 import struct
 import zipfile
 from dataclasses import dataclass
-from math import ceil, prod
+from math import prod
 
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
 from .files import FileTable, OpenFile, open_regular
-from .index import DTYPES, CheckpointIndex, Fragment, TensorEntry, pread_exactly, shard_path
+from .index import DTYPES, MAX_HEADER_BYTES, CheckpointIndex, Fragment, TensorEntry, _brief, pread_exactly, shard_path
+from .targets import Partition
 
 LATEST = "latest"  # the file save_checkpoint writes: the tag of the newest checkpoint
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 _OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"  # an IntEnum: unpickled as its int
 _MAX_LATEST_BYTES = 4096
+_MAX_NUMEL = 2**63 - 1  # torch counts a tensor's elements in an int64
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # a zip member's local header, before name and extra
 _CODES = {name: code for code, (name, _) in DTYPES.items()}  # torch dtype name -> safetensors code
 
@@ -65,6 +70,17 @@ def native_folder(path: str) -> str | None:
                                       "(a save that did not finish, or a copied checkpoint missing it)",
                                       path=folder)
     return folder
+
+
+def _refusal(e: Exception) -> str:
+    """Why torch could not unpickle, in its own words but without the advice it wraps them in:
+    to load with weights_only=False, which would let the checkpoint run code."""
+    import torch
+
+    text = str(e).split("\n\nCheck the documentation")[0]
+    text = text.replace(getattr(torch.serialization, "UNSAFE_MESSAGE", "\0"), "")
+    text = text.rsplit("WeightsUnpickler error: ", 1)[-1].replace("Weights only load failed.", "")
+    return " ".join(text.split())[:300]
 
 
 class _Inert:
@@ -107,7 +123,14 @@ class _PtFile:
                 pickles = [i for i in members if i.filename.endswith("/data.pkl")]
                 if len(pickles) != 1:
                     raise zipfile.BadZipFile(f"{len(pickles)} data.pkl records, expected 1")
+                if pickles[0].compress_type != zipfile.ZIP_STORED:  # a small record may inflate to gigabytes
+                    raise zipfile.BadZipFile(f"record {pickles[0].filename!r} is compressed; torch.save stores "
+                                             "every record uncompressed")
+                if pickles[0].file_size > MAX_HEADER_BYTES:  # it is read whole, three times
+                    raise zipfile.BadZipFile(f"record {pickles[0].filename!r} is {pickles[0].file_size} bytes, "
+                                             f"over the {MAX_HEADER_BYTES}-byte limit zload sets for it")
                 digest.update(archive.read(pickles[0]))
+                self.written_as = pickles[0].filename.rsplit("/", 1)[0] + ".pt"  # torch.save names it so
             except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
                 raise self.invalid(f"is not an archive torch.save wrote ({e})") from e
             self.records = {}  # data offset -> record
@@ -124,8 +147,9 @@ class _PtFile:
                 if not isinstance(self.state, dict):
                     raise ValueError(f"it holds {type(self.state).__name__}, not a dict")
             except Exception as e:  # torch raises many kinds for a bad archive or pickle
-                raise self.invalid(f"cannot be unpickled with weights_only=True: {type(e).__name__}: "
-                                   f"{str(e)[:300]}") from e
+                raise self.invalid(f"cannot be unpickled with weights_only=True ({type(e).__name__}: "
+                                   f"{_refusal(e)}); DeepSpeed's own saves can be: replace the file with an "
+                                   "intact copy of the save") from e
         opened.header_sha256 = digest.hexdigest()
 
     def invalid(self, why: str, tensor: str | None = None) -> InvalidCheckpointError:
@@ -172,7 +196,12 @@ class _PtFile:
 
 def _shape(file: _PtFile, value, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or not all(isinstance(d, int) and d >= 0 for d in value):
-        raise file.invalid(f"{what}: shape {value!r} is not a tuple of sizes", what)
+        raise file.invalid(f"{what}: shape {_brief(value)} is not a tuple of sizes", what)
+    numel = 1
+    for size in value:  # stopped at once: a long shape of large sizes would take minutes to multiply
+        numel *= size
+        if numel > _MAX_NUMEL:
+            raise file.invalid(f"{what}: shape {_brief(value)} has more elements than a tensor can (2**63)", what)
     return tuple(value)
 
 
@@ -215,75 +244,115 @@ class NativeLayout:
     shared: dict[str, str]  # tied names: alias -> the name stored
 
 
+def _files(flat: list[Stored]) -> str:
+    return ", ".join(dict.fromkeys(s.file for s in flat)) or "no flat groups"
+
+
+def _quoted(names, limit: int = 3) -> str:
+    """The first ``limit`` of ``names`` quoted, for a message that names the tensors at fault."""
+    names = list(names)
+    text = ", ".join(f"'{name}'" for name in names[:limit])
+    return text + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _listed_twice(layout: NativeLayout) -> list[str]:
+    """The names the layout lists more than once (DeepSpeed lists each tensor once: one listed
+    twice would be read from one place or the other depending on the reader's order)."""
+    kinds: dict[str, str] = {}
+    problems = []
+    for kind, names in (("parameter", [n for group in layout.param_shapes for n in group]),
+                        ("frozen parameter", layout.frozen_shapes), ("buffer", layout.buffers)):
+        for name in names:
+            if name in kinds:
+                problems.append(f"'{name}' is listed twice (as a {kinds[name]} and as a {kind})")
+            kinds.setdefault(name, kind)
+    return problems
+
+
 def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[dict[str, TensorEntry], list[str]]:
     """Every tensor of the checkpoint as fragments of the stored partitions, and what is wrong.
 
     Trainable parameters are the fp32 masters (``module_weights``: the module's own weights for
     ZeRO-1/2, which store them; ZeRO-3 stores only masters), frozen parameters and buffers are as
     stored; a tied alias is the tensor it is tied to. Pure: the sizes found are checked against
-    the layout DeepSpeed writes, so a file that lies about them is refused, not misread.
+    the layout DeepSpeed writes, so a file that lies about them is refused, not misread; each
+    problem names the tensors (or, for sizes no tensor explains, the files) at fault.
     """
-    world, entries, problems = layout.world, {}, []
+    world, entries, problems = layout.world, {}, _listed_twice(layout)
+    trainable = [(name, shape) for group in layout.param_shapes for name, shape in group.items()]
     sizes = [[s.numel for s in flat] for flat in layout.flat]
-    # ZeRO-1/2 saves each rank's partition without its alignment padding, so the last ones may be shorter
-    if any(s != sizes[0] for s in sizes) if layout.stage == 3 else any(len(s) != len(sizes[0]) for s in sizes):
-        problems.append(f"the ranks' fp32 flat groups differ in {'size' if layout.stage == 3 else 'number'}: {sizes}")
+
+    def add_trainable(name: str, shape: tuple[int, ...], pieces: list[Fragment]) -> None:
+        covered = sum(p.numel for p in pieces)  # short only when the sizes lie (ZeRO-1/2's slack)
+        if covered != prod(shape):
+            problems.append(f"'{name}': only {covered} of its {prod(shape)} elements lie inside the fp32 partitions")
+        entries[name] = _entry(name, "F32", shape, pieces)
+
+    # ZeRO-3's partitions are all alike; ZeRO-1/2 drops the group's padding from the last ones
+    differing = next((rank for rank, s in enumerate(sizes) if len(s) != len(sizes[0])
+                      or (layout.stage == 3 and s != sizes[0])), None)
+    if differing is not None:
+        problems.append(f"the ranks' fp32 flat groups differ in size: rank 0's ({_files(layout.flat[0])}) hold "
+                        f"{_brief(sizes[0])} elements, rank {differing}'s ({_files(layout.flat[differing])}) "
+                        f"{_brief(sizes[differing])} (files of different saves?)")
         return entries, problems
     if layout.stage == 3:
-        offset = 0
-        for name, shape in ((n, s) for group in layout.param_shapes for n, s in group.items()):
-            numel = prod(shape)
-            size = ceil(numel / world)
-            pieces = []
-            for rank in range(world):
-                valid = max(0, min(size, numel - rank * size))
-                pieces += _fragments(layout.flat[rank], offset, valid, rank * size)
-            entries[name] = _entry(name, "F32", shape, pieces)
-            offset += size
-        if offset != sum(sizes[0]):
-            problems.append(f"the parameters' partitions hold {offset} elements per rank, but the fp32 "
-                            f"flat groups hold {sum(sizes[0])}")
+        offset, total = 0, sum(sizes[0])
+        for name, shape in trainable:
+            partitions = [Partition(prod(shape), world, rank) for rank in range(world)]
+            add_trainable(name, shape, [piece for rank, part in enumerate(partitions)
+                                        for piece in _fragments(layout.flat[rank], offset, part.valid, part.start)])
+            offset += partitions[0].size
+        if offset != total:
+            problems.append(f"the partitions of the parameters, up to the last one "
+                            f"({_quoted([n for n, _ in trainable][-1:]) or 'none'}), take {offset} elements on each "
+                            f"rank, but the fp32 flat groups hold {total} ({_files(layout.flat[0])})")
     else:
-        if len(layout.param_shapes) != len(sizes[0]):
-            problems.append(f"{len(layout.param_shapes)} parameter groups but {len(sizes[0])} fp32 partitions")
+        paddings = layout.paddings or [[0] * len(group) for group in layout.param_shapes]
+        if not len(layout.param_shapes) == len(sizes[0]) == len(paddings):
+            problems.append(f"parameter groups (of {_quoted(n for n, _ in trainable)}): {len(layout.param_shapes)}, "
+                            f"fp32 partitions per rank: {len(sizes[0])}, lists of alignment paddings: "
+                            f"{len(paddings)}; DeepSpeed saves one of each per group")
             return entries, problems
-        for g, group in enumerate(layout.param_shapes):
-            paddings = layout.paddings[g] if layout.paddings else [0] * len(group)
-            if len(paddings) != len(group):
-                problems.append(f"group {g}: {len(group)} parameters but {len(paddings)} alignment paddings")
+        for g, (group, group_paddings) in enumerate(zip(layout.param_shapes, paddings)):
+            if len(group_paddings) != len(group):
+                problems.append(f"group {g} (of {_quoted(group)}): {len(group)} parameters but "
+                                f"{len(group_paddings)} alignment paddings")
                 continue
             whole = [layout.flat[rank][g] for rank in range(world)]
             offset = 0
-            for (name, shape), padding in zip(group.items(), paddings):
-                entries[name] = _entry(name, "F32", shape, _fragments(whole, offset, prod(shape), 0))
+            for (name, shape), padding in zip(group.items(), group_paddings):
+                add_trainable(name, shape, _fragments(whole, offset, prod(shape), 0))
                 offset += prod(shape) + padding
-            align, stored = 2 * world, sum(s[g] for s in sizes)  # as zero_to_fp32: padded to a multiple of 2 * world
-            if ceil(offset / align) != ceil(stored / align):
-                problems.append(f"group {g}: the parameters take {offset} elements, but the ranks' fp32 "
-                                f"partitions hold {stored}")
+            # as zero_to_fp32: the group was padded to a multiple of 2 * world, and the padding
+            # dropped from the last partitions
+            align, held = 2 * world, sum(s[g] for s in sizes)
+            if -(-offset // align) != -(-held // align):
+                problems.append(f"group {g} (of {_quoted(group)}): the parameters take {offset} elements, but the "
+                                f"ranks' fp32 partitions hold {held}")
     for name, shape in layout.frozen_shapes.items():
         parts, numel = layout.frozen.get(name, []), prod(shape)
         dtype = parts[0].dtype if parts else "F32"
         if layout.stage == 3:
-            size = ceil(numel / world)
+            partitions = [Partition(numel, world, rank) for rank in range(world)]
+            size = partitions[0].size
             if len(parts) != world or any(p.numel != size or p.dtype != dtype for p in parts):
                 problems.append(f"frozen parameter '{name}': expected a {size}-element partition from each of "
                                 f"{world} ranks, found {[p.numel for p in parts]}")
                 continue
-            pieces = [Fragment(rank * size, max(0, min(size, numel - rank * size)), p.file, p.start)
-                      for rank, p in enumerate(parts)]
+            pieces = [Fragment(part.start, part.valid, p.file, p.start) for part, p in zip(partitions, parts)]
             entries[name] = _entry(name, dtype, shape, [p for p in pieces if p.numel])
         elif len(parts) != 1 or parts[0].numel != numel:
             problems.append(f"frozen parameter '{name}': expected one tensor of {numel} elements")
         else:
             entries[name] = _entry(name, dtype, shape, _fragments(parts, 0, numel, 0))
     if module_weights and layout.stage < 3:
-        for name in [n for group in layout.param_shapes for n in group]:
+        for name, shape in trainable:
             stored = layout.module.get(name)
-            if stored is None or stored.numel != entries[name].numel:
+            if stored is None or stored.numel != prod(shape):
                 problems.append(f"'{name}': the module's weights lack it, or hold another size")
                 continue
-            entries[name] = _entry(name, stored.dtype, entries[name].shape, _fragments([stored], 0, stored.numel, 0))
+            entries[name] = _entry(name, stored.dtype, shape, _fragments([stored], 0, stored.numel, 0))
     for name, stored in layout.buffers.items():
         entries[name] = _entry(name, stored.dtype, stored.shape, _fragments([stored], 0, stored.numel, 0))
     for alias, name in layout.shared.items():
@@ -317,6 +386,20 @@ def _rank_files(folder: str, names: list[str], pattern: re.Pattern, what: str) -
     return found
 
 
+def _check_saved_ranks(folder: str, found: dict[int, str], saved: int, what: str, why: str) -> None:
+    """Raise unless ``found`` (ranks 0 to n - 1, from ``_rank_files``) holds the files of exactly the
+    ``saved`` ranks that saved; ``why`` says where that count comes from."""
+    if len(found) < saved:
+        raise CheckpointNotFoundError(f"{folder}: the {what} of rank(s) {list(range(len(found), saved))} are "
+                                      f"missing ({why}): a save that did not finish, or files not copied from "
+                                      "every node", path=folder)
+    if len(found) > saved:
+        extra = [found[rank] for rank in range(saved, len(found))]
+        raise InvalidCheckpointError(f"{folder}: {', '.join(extra)}: the {what} of rank(s) beyond the {saved} that "
+                                     f"saved ({why}); remove the files an older save left",
+                                     path=os.path.join(folder, extra[0]))
+
+
 def _stored_map(file: _PtFile, mapping, what: str) -> dict[str, Stored]:
     if not isinstance(mapping, dict) or not all(isinstance(k, str) for k in mapping):
         raise file.invalid(f"{what} is not a mapping of names to tensors")
@@ -341,16 +424,28 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
     def load(name: str) -> _PtFile:
         return _PtFile(table.add(open_regular(os.path.join(folder, name)), name), name)
 
+    def check_names(files: list[_PtFile]) -> None:
+        """Each file of a rank bears (inside) the name it was saved under: a copy of another
+        rank's file of the same sizes would otherwise load as silently wrong values."""
+        for file in files:
+            if file.written_as != file.key and any(p.fullmatch(file.written_as) for p in (_OPTIM_STATES, _MODEL_STATES)):
+                raise file.invalid(f"was written as {file.written_as} (torch.save names the archive inside after "
+                                   "the file): another rank's file copied over this one? Copy the save again")
+
     optim_files = [load(optim[rank]) for rank in range(len(optim))]
     world = len(optim_files)
     states = [f.get(f.state, "optimizer_state_dict", dict, "entry") for f in optim_files]
     first = optim_files[0]
     stage = first.get(states[0], "zero_stage", int, "entry")
-    counts = first.get(states[0], "partition_count", (int, list), "entry")
-    count = max(counts) if isinstance(counts, list) and counts else counts
-    if stage not in (1, 2, 3) or count != world:
-        raise first.invalid(f"ZeRO stage {stage} saved by {count} ranks, but the folder holds {world} "
-                            "optimizer state files; zload reads ZeRO stages 1-3 from a complete save")
+    if stage not in (1, 2, 3):
+        raise first.invalid(f"ZeRO stage {stage}; zload reads ZeRO stages 1-3")
+    counts = states[0].get("partition_count")  # ZeRO-1/2: one per parameter group
+    counts = counts if isinstance(counts, list) else [counts]
+    if not counts or not all(isinstance(c, int) and c > 0 for c in counts):
+        raise first.invalid(f"partition_count {_brief(states[0].get('partition_count'))} is not a count of ranks")
+    _check_saved_ranks(folder, optim, max(counts), "optimizer states (*_optim_states.pt)",
+                       f"partition_count in {first.key}")
+    check_names(optim_files)
     key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
     flat = []
     for f, state in zip(optim_files, states):
@@ -363,10 +458,10 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
 
     model = _rank_files(folder, names, _MODEL_STATES, "model states (*_model_states.pt)")
     expected = world if stage == 3 else 1
-    if len(model) != expected:
-        raise InvalidCheckpointError(f"{folder}: {len(model)} model state files for a ZeRO-{stage} save by "
-                                     f"{world} ranks; expected {expected}", path=folder)
+    _check_saved_ranks(folder, model, expected, "model states (*_model_states.pt)",
+                       f"a ZeRO-{stage} save by {world} ranks writes {expected}")
     model_files = [load(model[rank]) for rank in range(expected)]
+    check_names(model_files)
     main = model_files[0]
     groups = main.get(main.state, "param_shapes", list, "entry")
     param_shapes = [_shapes(main, g, f"param_shapes[{i}]") for i, g in enumerate(groups)]
@@ -378,12 +473,20 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
             frozen.setdefault(name, []).append(stored)
     module = _stored_map(main, main.get(main.state, "module", dict, "entry"), "module")
     buffer_names = main.get(main.state, "buffer_names", list, "entry")
+    if not all(isinstance(n, str) for n in buffer_names):
+        raise main.invalid("buffer_names is not a list of names")
     missing = [n for n in buffer_names if n not in module]
     if missing:
         raise main.invalid(f"buffers {missing[:5]} are listed in buffer_names but not in the module")
     shared = main.state.get("shared_params") or {}
     if not isinstance(shared, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in shared.items()):
         raise main.invalid("shared_params is not a mapping of names to names")
+    if stage == 1 and not frozen_shapes:
+        # ZeRO-1 records no frozen parameters (zero_to_fp32 drops them), but its module holds them
+        trainable = {n for group in param_shapes for n in group}
+        for name, stored in module.items():
+            if name not in trainable and name not in buffer_names and name not in shared:
+                frozen_shapes[name], frozen[name] = stored.shape, [stored]
     return NativeLayout(stage, world, param_shapes, flat, paddings, frozen_shapes, frozen,
                         {n: module[n] for n in buffer_names}, module if stage < 3 else {},
                         {n: s.dtype for n, s in module.items()}, dict(shared))
