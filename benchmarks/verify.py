@@ -38,7 +38,7 @@ from benchmarks.load.checkpoint import (
     parse_size_spec,
     warm_page_cache,
 )
-from benchmarks.load.report import host_info, zload_source_hash
+from benchmarks.load.report import save_results
 
 
 def _sample_all(files: list[str]) -> float:
@@ -149,16 +149,8 @@ def main(argv=None) -> int:
     for name, nbytes, _ in args.size:
         results.append(measure(name, nbytes, args))
         print(json.dumps(results[-1]), flush=True)
-    data = {"command": "python -m benchmarks.verify " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d"), "host": host_info(),
-            "zload_source": zload_source_hash(os.path.join(os.path.dirname(HERE), "zload")), "results": results}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"verify-{args.name}")
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(data))
-    print(markdown(data))
+    save_results(args.out, f"verify-{args.name}", "python -m benchmarks.verify " + " ".join(
+        argv if argv is not None else sys.argv[1:]), results, markdown)
     return 0
 
 

@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 
 def save_sharded(state: dict[str, torch.Tensor], folder: Path, shards: int) -> Path:
@@ -25,6 +25,16 @@ def save_sharded(state: dict[str, torch.Tensor], folder: Path, shards: int) -> P
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return folder
+
+
+def read_all(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``folder``; none may be in two files."""
+    saved = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        part = load_file(str(f))
+        assert not saved.keys() & part.keys(), f"{f.name}: a tensor written twice"
+        saved.update(part)
+    return saved
 
 
 def metadata_with_digest(path) -> dict[str, str]:

@@ -211,3 +211,14 @@ def deepspeed_reference(folder) -> dict[str, torch.Tensor]:
 
     state = get_fp32_state_dict_from_zero_checkpoint(str(folder))
     return {name: t.contiguous() for name, t in state.items()}
+
+
+def zload_reference(case: NativeCase) -> dict[str, torch.Tensor]:
+    """What zload reads from ``case``: DeepSpeed's reference, and ZeRO-1's frozen parameters, which
+    it lacks (ZeRO-1 records none) and zload reads from the saved module: checked against the live
+    engine's."""
+    reference = deepspeed_reference(case.folder)
+    if case.stage == 1:
+        assert not set(case.frozen_names) & set(reference), "DeepSpeed now keeps ZeRO-1's frozen parameters"
+        reference.update({n: case.module_weights[n] for n in case.frozen_names})
+    return reference

@@ -99,6 +99,22 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, launch, mo
     assert (tmp_path / "again.md").read_text() == table and not (tmp_path / "again.png").exists()
 
 
+def test_convert_benchmark_checks_and_reports_every_method(cache, tmp_path):
+    """A native checkpoint written by 2 ranks; zload's output is zero_to_fp32's bit for bit and 2
+    processes write the bytes 1 does (the script raises otherwise); the JSON and table name every
+    method, with zload's own seconds where it reports them."""
+    run_module(tmp_path, "benchmarks.convert", "--size", SIZE, "--runs", "1", "--cache", cache, "--out", tmp_path,
+               "--name", "smoke")
+    data = json.loads((tmp_path / "convert-smoke.json").read_text())
+    methods = data["results"][0]["methods"]
+    assert list(methods) == ["zero_to_fp32", "zload", "zload, 2 processes", "import only"]
+    assert all(m["seconds"] > 0 and m["peak_rss_bytes"] > 0 for m in methods.values())
+    assert methods["zload"]["converting_seconds"] > 0 and methods["zero_to_fp32"]["converting_seconds"] is None
+    assert data["results"][0]["checkpoint_file_bytes"] > 2 * data["results"][0]["masters_bytes"]  # AdamW's moments
+    table = (tmp_path / "convert-smoke.md").read_text()
+    assert all(f"| {method} |" in table for method in methods)
+
+
 def test_load_benchmark_compares_with_dcp_and_the_device_ceiling(cache, tmp_path):
     """DCP's Hugging Face reader leaves every rank's rows of every tensor, bit for bit, and reads
     (by estimate) just those rows; the ceiling reads the files once over the ranks, in equal shares,

@@ -16,7 +16,7 @@ import torch
 import zload
 
 from .harness import run_world
-from .native_checkpoints import MODELS, deepspeed_reference
+from .native_checkpoints import MODELS, zload_reference
 from .test_native_checkpoints import CASES
 from .zero3 import assert_bit_equal, build_zero, full_state
 
@@ -33,16 +33,6 @@ def _load_body(folder, model: str, tied: bool, dtype) -> Loaded:
     model = build_zero(factory_for(tied), dtype)
     report = zload.load_into(model, folder)
     return Loaded(full_state(model), report)
-
-
-def _expected(case) -> dict[str, torch.Tensor]:
-    """DeepSpeed's reference, and ZeRO-1's frozen parameters, which it lacks (ZeRO-1 records
-    none) and zload reads from the saved module: checked against the live engine's."""
-    reference = deepspeed_reference(case.folder)
-    if case.stage == 1:
-        assert not set(case.frozen_names) & set(reference), "DeepSpeed now keeps ZeRO-1's frozen parameters"
-        reference.update({n: case.module_weights[n] for n in case.frozen_names})
-    return reference
 
 
 def _check(loaded: Loaded, expected: dict[str, torch.Tensor]) -> None:
@@ -64,14 +54,14 @@ def test_every_kind_of_checkpoint_loads_at_another_world_size(native_checkpoint,
     case = native_checkpoint(**options)
     for loaded in run_world(LOAD_WORLDS[name], _load_body, case.folder, options.get("model", "llama"),
                             options.get("tied", True), torch.float32):
-        _check(loaded, _expected(case))
+        _check(loaded, zload_reference(case))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_a_zero3_checkpoint_loads_at_any_world_size(native_checkpoint, world):
     case = native_checkpoint(**CASES["z3-bf16-w3"])
     for loaded in run_world(world, _load_body, case.folder, "llama", True, torch.float32):
-        _check(loaded, _expected(case))
+        _check(loaded, zload_reference(case))
 
 
 def test_bf16_model_gets_the_engines_own_weights(native_checkpoint):

@@ -18,12 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 import zload
 from zload.save_plan import parse_size
 
-from .checkpoints import metadata_with_digest
+from .checkpoints import metadata_with_digest, read_all
 from .harness import run_world
 from .models import tiny_llama_config
 from .zero3 import assert_bit_equal, check_against, full_state, randomize
@@ -47,13 +46,6 @@ KINDS = {
 # ---------------------------------------------------------------------------------------------
 # helpers (both sides)
 
-def _read_all(folder) -> dict[str, torch.Tensor]:
-    saved = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        part = load_file(str(f))
-        assert not saved.keys() & part.keys(), f"{f.name}: tensor written twice"
-        saved.update(part)
-    return saved
 
 
 def _check_layout(folder, max_bytes: int) -> list[str]:
@@ -83,7 +75,7 @@ def _check_layout(folder, max_bytes: int) -> list[str]:
         total += data[-1][1]
     assert set(index["weight_map"].values()) == set(files)
     assert index["metadata"]["total_size"] == total
-    assert total == sum(t.numel() * t.element_size() for t in _read_all(folder).values())
+    assert total == sum(t.numel() * t.element_size() for t in read_all(folder).values())
     return files
 
 
@@ -119,7 +111,7 @@ def _frozen_engine_body(root, offload):
     zload.save(engine, master, master_weights=True)
     after = full_state(engine.module)
     names = [n for n, _ in engine.module.named_parameters()]
-    saved = _read_all(out)
+    saved = read_all(out)
     assert report.files == ["model.safetensors"] and sorted(saved) == sorted(names)
     assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"]), "the step did nothing"
     for name in names:
@@ -127,7 +119,7 @@ def _frozen_engine_body(root, offload):
         if name != "lm_head.weight":  # frozen: present, full and as it was before the step
             assert_bit_equal(saved[name], before[name], f"{name} (frozen)")
 
-    saved_master = _read_all(master)
+    saved_master = read_all(master)
     assert sorted(saved_master) == sorted(names)
     for name, p in engine.module.named_parameters():
         if p.requires_grad:
@@ -161,7 +153,7 @@ def _transposed_master_body(root):
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
     report = zload.save(engine, Path(root) / "master", master_weights=True)
-    saved = _read_all(Path(root) / "master")
+    saved = read_all(Path(root) / "master")
     for name, p in engine.module.named_parameters():
         want = safe_get_full_fp32_param(p)  # a collective: every rank, same order
         if name.endswith("mlp.up_proj.weight"):
@@ -235,7 +227,7 @@ def _reference_files(kind, gathered, folder) -> dict[str, torch.Tensor]:
     plain = cls(make_config())
     plain.load_state_dict(gathered, strict=True)
     plain.save_pretrained(folder, max_shard_size=SHARD)
-    return _read_all(folder)
+    return read_all(folder)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -245,11 +237,11 @@ def test_hf_layout_read_back_without_deepspeed(saved_at_3, tmp_path, kind):
     files = _check_layout(out, parse_size(SHARD))
     assert all(r["out"].files == files for r in reports)
     assert sum(r["out"].bytes_written for r in reports) == sum(
-        t.numel() * t.element_size() for t in _read_all(out).values())  # each byte written once
+        t.numel() * t.element_size() for t in read_all(out).values())  # each byte written once
 
     # names, shapes, dtypes and values exactly as transformers writes them (tied weights once)
     reference = _reference_files(kind, gathered, tmp_path / "reference")
-    saved = _read_all(out)
+    saved = read_all(out)
     assert sorted(saved) == sorted(reference)
     for name in reference:
         assert_bit_equal(saved[name], reference[name], f"{kind}: {name}")
@@ -283,7 +275,7 @@ def test_dtype_and_streaming_and_big_tensors(saved_at_3, tmp_path, kind):
     reference = _reference_files(kind, gathered, tmp_path / "reference")
 
     # D: dtype=bf16 on an fp32 model
-    bf16 = _read_all(root / "bf16")
+    bf16 = read_all(root / "bf16")
     assert sorted(bf16) == sorted(reference)
     for name in reference:
         assert reference[name].dtype == torch.float32
@@ -315,7 +307,7 @@ def test_dtype_and_streaming_and_big_tensors(saved_at_3, tmp_path, kind):
                 assert len(sizes) == 1, f"{k} ({nbytes} bytes) shares {name} with {sorted(sizes)}"
                 alone += 1
     assert alone >= 1
-    big = _read_all(root / "big")
+    big = read_all(root / "big")
     for name in reference:
         assert_bit_equal(big[name], reference[name], f"big {name}")
 
@@ -336,7 +328,7 @@ def _load_body(kind, folder, gathered):
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     compared = check_against(model, gathered, names=names)
     if kind.startswith("llama"):  # checkpoint names are model names: against the files themselves
-        check_against(model, _read_all(folder))
+        check_against(model, read_all(folder))
     tied = (model.lm_head.weight is model.model.embed_tokens.weight if kind == "llama_tied" else
             model.decoder.lm_head.weight is model.decoder.transformer.wte.weight
             if kind == "vision_encoder_decoder" else True)
@@ -416,7 +408,7 @@ def test_dtype_leaves_integer_buffers_and_int_sizes_work(tmp_path):
     torch.manual_seed(0)
     model = models.Awkward()
     report = zload.save(model, tmp_path / "out", dtype=torch.bfloat16, max_shard_size=1000)
-    saved = _read_all(tmp_path / "out")
+    saved = read_all(tmp_path / "out")
     state = model.state_dict()
     assert sorted(saved) == sorted(state) and len(report.files) > 1
     for name, tensor in state.items():

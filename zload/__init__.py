@@ -6,6 +6,7 @@ Each rank reads (or writes) only the bytes of the partitions it owns; nothing is
 import logging
 
 from .checkpoint import open_checkpoint
+from .converting import convert
 from .errors import (ArgumentTypeError, ArgumentValueError, CheckpointError, CheckpointNotFoundError,
                      InvalidCheckpointError, PeerLostError, PlanError, ZloadError, ZloadWarning)
 from .index import CheckpointIndex
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 # Quiet by default: an application that configures logging sees zload's INFO/DEBUG records.
 logging.getLogger("zload").addHandler(logging.NullHandler())
 
-__all__ = ["load_into", "save", "init", "from_pretrained", "open_checkpoint", "CheckpointIndex", "KeyMap",
+__all__ = ["load_into", "save", "convert", "init", "from_pretrained", "open_checkpoint", "CheckpointIndex", "KeyMap",
            "LoadReport", "SaveReport", "ZloadError", "CheckpointError", "CheckpointNotFoundError",
            "InvalidCheckpointError", "PlanError", "ArgumentValueError", "ArgumentTypeError", "PeerLostError",
            "ZloadWarning", "__version__"]

@@ -199,24 +199,29 @@ def local_view(source: str, verify: str = "sample") -> LocalView:
     def index():
         if not os.path.lexists(source):
             return LocalView(source, None)
-        view = LocalView(source, open_checkpoint(source, missing_ok=True))
-        try:
-            files = view.opened()
-            # the data are sampled when there is another rank to compare with, except for files
-            # whose header records a digest of all their data (a zload save)
-            sampled = [key for key, f in files.items() if DIGEST_KEY not in f.metadata] \
-                if verify == "sample" and rank_and_world()[1] > 1 else []
-            samples = dict(zip(sampled, sample_digests(
-                [(files[k].fd, files[k].data_start, files[k].identity.size) for k in sampled])))
-            view.digests = {key: (f.header_sha256, samples.get(key, "")) for key, f in files.items()}
-        except BaseException:
-            view.close()
-            raise
-        view.known = sorted(view.index.files)
-        return view
+        return viewed(source, open_checkpoint(source, missing_ok=True), verify)
 
     view, problems = problems_of(f"indexing {source}", index)
     return view or LocalView(source, None, problems=problems)
+
+
+def viewed(source: str, index: CheckpointIndex, verify: str = "sample") -> LocalView:
+    """``index`` as this rank's view of ``source``, with what tells its files from other copies: the
+    SHA-256 of each header and, when there is another rank to compare with (``verify="sample"``),
+    a sample of the data, except in files whose header records a digest of all of it (a zload
+    save). Closes ``index`` if that fails."""
+    view = LocalView(source, index, known=sorted(index.files))
+    try:
+        files = view.opened()
+        sampled = [key for key, f in files.items() if DIGEST_KEY not in f.metadata] \
+            if verify == "sample" and rank_and_world()[1] > 1 else []
+        samples = dict(zip(sampled, sample_digests(
+            [(files[k].fd, files[k].data_start, files[k].identity.size) for k in sampled])))
+        view.digests = {key: (f.header_sha256, samples.get(key, "")) for key, f in files.items()}
+    except BaseException:
+        view.close()
+        raise
+    return view
 
 
 def verify_fully(view: LocalView) -> None:

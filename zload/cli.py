@@ -3,6 +3,7 @@
     zload inspect PATH [--json] [--limit N | --all | --no-tensors]
     zload plan PATH (--world-size N | -n N) [--json]
     zload validate PATH [--full]
+    zload convert DS_CHECKPOINT OUT [--module-weights] [--max-shard-size SIZE]
 
 PATH is what ``load_into`` takes: a file, an index, a folder, or a Hub repo id (``--revision``),
 found the same way (``checkpoint.open_source``). Every command validates the checkpoint exactly as
@@ -10,6 +11,9 @@ found the same way (``checkpoint.open_source``). Every command validates the che
 ``zload: error: ...`` with the file and tensor at fault and exits 2, without a traceback; ``validate`` exits 1 instead, so a
 CI script can tell "invalid checkpoint" from "bad command line". Each command builds one plain
 dict, which ``--json`` prints as is and the text output renders, so the two cannot disagree.
+``convert`` writes a DeepSpeed checkpoint as safetensors (``zload.convert``); launched by torchrun
+(``torchrun --nproc_per_node N -m zload convert ...``), its processes join one gloo group and
+each writes a share.
 """
 
 from __future__ import annotations
@@ -189,7 +193,8 @@ def _at_least(minimum: int):
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="zload", description="Inspect, validate and plan loads of safetensors checkpoints.",
+        prog="zload", description="Inspect, validate and plan loads of safetensors checkpoints; convert "
+        "DeepSpeed checkpoints into them.",
         epilog="PATH is a .safetensors file, an index .json, a directory holding either, or a Hub repo id "
                "(from the Hugging Face cache, downloaded if it is not there).")
     parser.add_argument("--version", action="version", version=f"zload {__version__}")
@@ -219,7 +224,37 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("--revision", metavar="REV", help="branch, tag or commit of a Hub repo id")
     validate.add_argument("--full", action="store_true", help="also read every byte of the files "
                           "zload.save wrote and check it against the digest recorded in them")
+
+    convert = commands.add_parser("convert", help="a DeepSpeed checkpoint (engine.save_checkpoint) into "
+                                  "Hugging Face safetensors, streamed")
+    convert.add_argument("checkpoint", metavar="DS_CHECKPOINT", help="the folder save_checkpoint wrote, "
+                         "or one of its tag folders (global_stepN)")
+    convert.add_argument("out", metavar="OUT", help="the folder to write model.safetensors (or shards and "
+                         "their index) into, with the config.json found beside the tag folder")
+    convert.add_argument("--module-weights", action="store_true", help="write the module's own weights "
+                         "(16-bit when trained so) instead of the fp32 master weights")
+    convert.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                         help="largest shard, e.g. 5GB (default) or 500MiB")
     return parser
+
+
+def _convert(args) -> int:
+    """``zload convert``: one process, or each process of a torchrun launch (``WORLD_SIZE``)."""
+    import torch.distributed as dist
+
+    from .converting import convert
+
+    joined = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    if joined:
+        dist.init_process_group("gloo")  # a conversion needs only small CPU collectives
+    try:
+        report = convert(args.checkpoint, args.out, weights="module" if args.module_weights else "master",
+                         max_shard_size=args.max_shard_size)
+    finally:
+        if joined:
+            dist.destroy_process_group()
+    print(report)
+    return 0
 
 
 def _check_recorded_digests(index: CheckpointIndex) -> tuple[int, int]:
@@ -241,6 +276,8 @@ def _check_recorded_digests(index: CheckpointIndex) -> tuple[int, int]:
 
 
 def _run(args) -> int:
+    if args.command == "convert":
+        return _convert(args)
     if args.command == "validate":
         try:
             with open_source(args.path, args.revision) as index:

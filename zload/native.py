@@ -586,11 +586,47 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
                         {n: s.dtype for n, s in module.items()}, dict(shared))
 
 
-def open_native(source: str, folder: str, table: FileTable, module_weights: bool = False) -> CheckpointIndex:
-    """Index the DeepSpeed checkpoint in tag folder ``folder`` (found from ``source``)."""
+def read_native(folder: str, table: FileTable, module_weights: bool = False) -> tuple[NativeLayout, dict[str, TensorEntry]]:
+    """The layout of the DeepSpeed checkpoint in tag folder ``folder`` and its tensors
+    (``native_entries``), its files opened into ``table``; raises if they do not agree."""
     layout = read_layout(folder, table)
     entries, problems = native_entries(layout, module_weights)
     if problems:
         raise InvalidCheckpointError(f"{folder}: does not hold the layout of a ZeRO-{layout.stage} save by "
                                      f"{layout.world} ranks: {'; '.join(problems[:3])}", path=folder)
+    return layout, entries
+
+
+def open_native(source: str, folder: str, table: FileTable, module_weights: bool = False) -> CheckpointIndex:
+    """Index the DeepSpeed checkpoint in tag folder ``folder`` (found from ``source``)."""
+    _, entries = read_native(folder, table, module_weights)
     return CheckpointIndex(source, tuple(table.files), entries, opened=table, root=os.path.abspath(folder))
+
+
+def converted_tensors(layout: NativeLayout, entries: dict[str, TensorEntry],
+                      module_weights: bool = False) -> list[tuple[TensorEntry, str]]:
+    """What a conversion of the checkpoint writes: each tensor's entry and its output dtype
+    (safetensors code), in the module's order, as ``save_pretrained`` writes them.
+
+    The values of DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``: trainable parameters
+    as fp32 masters, frozen ones as stored, floating buffers as float32 (``entries`` without
+    ``module_weights``); or, from entries with ``module_weights``, every tensor in the module's
+    dtype (ZeRO-3 masters cast to it, which is what the engine's 16-bit weights are). Tied aliases
+    are left out: the tensor is written once, under the name stored, as ``save_pretrained`` does.
+    """
+    import torch
+
+    order = [n for n in layout.module_dtypes if n in entries] + [n for n in entries if n not in layout.module_dtypes]
+    out = []
+    for name in order:
+        if name in layout.shared:
+            continue
+        entry = entries[name]
+        if module_weights:
+            dtype = layout.module_dtypes.get(name, entry.dtype)
+        elif name in layout.buffers and getattr(torch, DTYPES[entry.dtype][0]).is_floating_point:
+            dtype = "F32"  # as zero_to_fp32 restores buffers saved in 16 bits
+        else:
+            dtype = entry.dtype
+        out.append((entry, dtype))
+    return out

@@ -15,6 +15,7 @@ import secrets
 import time
 import warnings
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -56,7 +57,6 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     rank, world = rank_and_world()
     module, engine = unwrap(model)
     final = os.path.abspath(os.fspath(path))
-    refused = f"zload: cannot save to {final}; nothing was written"
 
     def plan_save():
         if master_weights and engine is None:
@@ -65,8 +65,43 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                                         torch.float32 if master_weights and dtype is None else dtype,
                                         max_shard_size, rank, world)
 
+    def write(plan, staging: str, shared: bool, failed: str) -> tuple[int, list[str]]:
+        sources, problems = problems_of("finding the partitions to write",
+                                        lambda: writer.partition_sources(plan.targets, master_weights))
+        if not shared:
+            written, problems = writer.stream_to_rank0(plan.items, sources, staging, staging_bytes, problems)
+        elif not problems:
+            written, problems = problems_of(
+                "writing", lambda: writer.write_local(plan.items, sources, staging, staging_bytes))
+        agree(problems, failed)
+        converted_bytes, gathered = writer.write_converted(module, plan.targets, plan.files, staging, shared,
+                                                           master_weights, failed)
+        return written + converted_bytes, gathered
+
+    plan, (written, gathered), notes = write_checkpoint(
+        final, plan_save, write, lambda plan, folder: writer.write_model_configs(module, folder), shared_filesystem)
+    files = plan.files
+    for note in notes:  # point at the caller's save() line
+        warnings.warn(note, ZloadWarning, stacklevel=3)
+    return SaveReport(final, [f.name for f in files], sum(f.size for f in files), written, gathered,
+                      time.perf_counter() - started)
+
+
+def write_checkpoint(final: str, make_plan, write, write_configs, shared_filesystem: bool | None):
+    """Write a checkpoint into the folder ``final`` as every save does, on every rank; returns the
+    plan, what ``write`` returned and the notes to warn about.
+
+    ``make_plan()`` says what to write (its ``files``, and ``single``, the name of a one-file
+    checkpoint); rank 0 creates the files in a staging folder; ``write(plan, staging, shared,
+    failed)`` writes this rank's bytes there (``shared``: whether every rank sees the staging
+    folder; it agrees on its own problems, raising ``failed``); the files' digests are recorded;
+    rank 0 commits them with the configs that ``write_configs(plan, folder)`` writes. A problem on
+    any rank at any step raises the same error on every rank, and ``final`` keeps what it held.
+    """
+    rank, world = rank_and_world()
+    refused = f"zload: cannot save to {final}; nothing was written"
     with stage(f"planning the save to {final}", "Nothing was written."):
-        plan, problems = problems_of("planning the save", plan_save)
+        plan, problems = problems_of("planning the save", make_plan)
         agree(problems, refused)
         token = exchange(secrets.token_hex(8) if rank == 0 else None)[0]
     files = plan.files
@@ -82,24 +117,13 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
             agree(problems, refused)
             shared = all(exchange(writer.sees(os.path.join(staging, LOCK), token))) \
                 if shared_filesystem is None else shared_filesystem
-
-            sources, problems = problems_of("finding the partitions to write",
-                                            lambda: writer.partition_sources(plan.targets, master_weights))
-            if not shared:
-                written, problems = writer.stream_to_rank0(plan.items, sources, staging, staging_bytes, problems)
-            elif not problems:
-                written, problems = problems_of(
-                    "writing", lambda: writer.write_local(plan.items, sources, staging, staging_bytes))
-            agree(problems, failed)
-            converted_bytes, gathered = writer.write_converted(module, plan.targets, files, staging, shared,
-                                                         master_weights, failed)
-            written += converted_bytes
+            result = write(plan, staging, shared, failed)
             writer.record_digests(files, staging, world if shared else 1, failed)
         with stage(f"putting the new files in place in {final}", "Rank 0 does that alone: "
                    f"depending on how far it got, {final} holds the old or the new checkpoint, never "
                    "a mix of both; the next save into it removes what is left over."):
-            _, problems = problems_of("publishing",
-                                      lambda: rank == 0 and writer.publish(folder, module, plan.single, files))
+            _, problems = problems_of("publishing", lambda: rank == 0 and writer.publish(
+                folder, plan.single, files, partial(write_configs, plan)))
             if problems:  # rank 0's: say what the folder holds now
                 outcome = folder.abort()
                 problems = [replace(p, message=f"{p.message} ({outcome})") for p in problems]
@@ -108,7 +132,4 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
         if rank == 0:
             folder.abort()
         raise
-    for note in folder.notes if folder else []:  # point at the caller's save() line
-        warnings.warn(note, ZloadWarning, stacklevel=3)
-    return SaveReport(final, [f.name for f in files], sum(f.size for f in files), written, gathered,
-                      time.perf_counter() - started)
+    return plan, result, folder.notes if folder else []

@@ -1,7 +1,8 @@
 """The writer: perform a save plan. Every file save touches is opened here.
 
 Each rank writes its parts of the shard files in the staging folder in place (``write_local``), or,
-when ranks do not share a filesystem, sends them to rank 0 in staging batches (``stream_to_rank0``).
+when ranks do not share a filesystem, sends them to rank 0 in staging batches (``stream_to_rank0``);
+a conversion writes tensors read from a checkpoint's files (``write_from_files``).
 Then the files are read back for their digests (``record_digests``) and rank 0 publishes them with
 the configs (``publish``, through ``savedir.SaveFolder``).
 """
@@ -9,6 +10,7 @@ the configs (``publish``, through ``savedir.SaveFolder``).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy
@@ -19,10 +21,13 @@ from .digest import block_count, block_digests, data_digest
 from .distributed import (BATCH_FAILED, BATCH_OK, Problem, agree, collective, comm_device, exchange, problems_of,
                           rank_and_world)
 from .errors import ZloadError
-from .execute import byte_view, reader_count
+from .execute import byte_view, execute, reader_count
+from .files import FileTable
+from .index import DTYPES, TensorEntry
 from .integrations.peft import peft_info
 from .integrations.transformers import revert_conversion
-from .plan import ALIGN, staging_batches
+from .plan import ALIGN, ReadItem, align, staging_batches
+from .progress import Progress
 from .save_plan import OutFile, WriteItem
 from .savedir import SaveFolder
 from .targets import ORPHAN, PARTITION, Target
@@ -88,6 +93,48 @@ def write_local(items, sources, folder: str, staging_bytes: int) -> int:
     finally:
         files.close(sync=True)
     return written
+
+
+def write_from_files(items: list[WriteItem], sources: list[TensorEntry], table: FileTable, folder: str,
+                     staging_bytes: int, progress: Progress | None = None) -> int:
+    """Write ``items``, each taking its elements from the tensor ``sources[item.target]`` of a
+    checkpoint whose files ``table`` holds, cast to the item's dtype. Nothing is held whole: a
+    batch at a time, the executor reads (and casts) into one of two output buffers while a thread
+    writes the batch before from the other; with the executor's staging for casts, that is
+    ``staging_bytes`` in all. Returns the bytes written."""
+    capacity = max(2 * ALIGN, align(min(staging_bytes // 4, sum(i.nbytes + ALIGN for i in items))))
+    buffers = [torch.empty(capacity, dtype=torch.uint8) for _ in range(2)]
+    files, pending, written = _Files(folder), None, 0
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="zload-write") as pool:
+            for k, batch in enumerate(staging_batches(items, capacity)):
+                reads, destinations = _reads_into(batch, sources, buffers[k % 2])
+                execute(table, reads, destinations, staging_bytes // 2, progress)
+                if pending is not None:
+                    pending.result()  # the write of the batch before: its buffer is the next one
+                pending = pool.submit(_write_batch, files, [(at, i.file, i.offset, i.nbytes) for at, i in batch],
+                                      buffers[k % 2])
+                written += sum(i.nbytes for _, i in batch)
+            if pending is not None:
+                pending.result()
+    finally:
+        files.close(sync=True)
+    return written
+
+
+def _reads_into(batch: list[tuple[int, WriteItem]], sources: list[TensorEntry],
+                buffer: torch.Tensor) -> tuple[list[ReadItem], list[torch.Tensor]]:
+    """The executor's reads that put each part of ``batch`` at its offset in ``buffer``, and their
+    destinations: ``buffer`` seen as each dtype written."""
+    dtypes = sorted({part.dtype for _, part in batch})
+    destinations = [buffer.view(getattr(torch, dtype)) for dtype in dtypes]
+    reads = []
+    for at, part in batch:
+        entry, size = sources[part.target], getattr(torch, part.dtype).itemsize
+        for file, offset, skip, count in entry.spans(part.src_offset, part.numel):
+            reads.append(ReadItem(file, offset, count * entry.itemsize, DTYPES[entry.dtype][0],
+                                  dtypes.index(part.dtype), at // size + skip, count))
+    return reads, destinations
 
 
 def stream_to_rank0(items, sources, folder: str, staging_bytes: int,
@@ -267,9 +314,8 @@ def record_digests(files: list[OutFile], folder: str, writers: int, failed: str)
     agree(problems, failed)
 
 
-def _stage_configs(module, folder: str) -> list[str]:
-    """The configs transformers / peft need to load the folder, written into ``folder``; their names."""
-    before = set(os.listdir(folder))
+def write_model_configs(module, folder: str) -> None:
+    """The configs transformers / peft need to load a save of ``module``, written into ``folder``."""
     peft = peft_info(module)
     if peft is not None:
         module.peft_config[peft[0]].save_pretrained(folder)
@@ -278,6 +324,12 @@ def _stage_configs(module, folder: str) -> list[str]:
         generation = getattr(module, "generation_config", None)
         if generation is not None and getattr(module, "can_generate", lambda: False)():
             generation.save_pretrained(folder)
+
+
+def _stage_configs(write_configs, folder: str) -> list[str]:
+    """The configs ``write_configs(folder)`` writes into ``folder``, made durable; their names."""
+    before = set(os.listdir(folder))
+    write_configs(folder)
     written = sorted(set(os.listdir(folder)) - before)
     for name in written:
         with open(os.path.join(folder, name), "rb+") as f:
@@ -285,13 +337,13 @@ def _stage_configs(module, folder: str) -> list[str]:
     return written
 
 
-def publish(folder: SaveFolder, module, single: str, files: list[OutFile]) -> None:
-    """Rank 0: configs staged, the new checkpoint committed, then the leftovers of killed saves
-    and this save's staging folder removed."""
+def publish(folder: SaveFolder, single: str, files: list[OutFile], write_configs) -> None:
+    """Rank 0: configs staged (``write_configs(staging folder)`` writes them), the new checkpoint
+    committed, then the leftovers of killed saves and this save's staging folder removed."""
     for f in files:
         with open(os.path.join(folder.staging, f.name), "rb+") as out:
             os.fsync(out.fileno())
-    configs = _stage_configs(module, folder.staging)
+    configs = _stage_configs(write_configs, folder.staging)
     index = None
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for f in files for t, _ in f.tensors)},

@@ -107,21 +107,22 @@ def ensure_checkpoint(folder: str, config, shard: str) -> None:
     log(f"wrote {folder} in {time.perf_counter() - started:.1f} s")
 
 
-def checkpoint_files(folder: str) -> list[str]:
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+def checkpoint_files(folder: str, suffix: str = ".safetensors") -> list[str]:
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(suffix))
 
 
-def warm_page_cache(folder: str) -> dict:
-    """Read every file once (like ``cat`` to /dev/null); report how much of it is then cached."""
+def warm_page_cache(folder: str, suffix: str = ".safetensors") -> dict:
+    """Read every file once (like ``cat`` to /dev/null); report how much of it is then cached.
+    ``suffix``: ``.pt`` for a DeepSpeed checkpoint's tag folder."""
     started = time.perf_counter()
     total = 0
     buf = bytearray(16 << 20)
-    for path in checkpoint_files(folder):
+    for path in checkpoint_files(folder, suffix):
         with open(path, "rb", buffering=0) as f:
             while n := f.readinto(buf):
                 total += n
     info = {"bytes": total, "seconds": round(time.perf_counter() - started, 3)}
-    info["resident_fraction"] = page_cache_residency(folder)
+    info["resident_fraction"] = page_cache_residency(folder, suffix)
     return info
 
 
@@ -148,13 +149,13 @@ def evict_page_cache(folder: str) -> dict:
     return {"how": how, "resident_fraction": resident}
 
 
-def page_cache_residency(folder: str) -> float | None:
+def page_cache_residency(folder: str, suffix: str = ".safetensors") -> float | None:
     """Fraction of the checkpoint's bytes in the page cache (util-linux ``fincore``), if available."""
     if not shutil.which("fincore"):
         return None
     try:
         out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE",
-                              *checkpoint_files(folder)], capture_output=True, text=True, check=True,
+                              *checkpoint_files(folder, suffix)], capture_output=True, text=True, check=True,
                              timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return None

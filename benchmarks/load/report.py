@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
 import socket
 import statistics
 import subprocess
+import time
 
 from . import MB, REPO, log
 
@@ -106,6 +108,21 @@ def zload_source_hash(root: str) -> str:
                 with open(os.path.join(folder, name), "rb") as f:
                     digest.update(name.encode() + f.read())
     return digest.hexdigest()[:12]
+
+
+def save_results(out: str, name: str, command: str, results: list, markdown) -> dict:
+    """``OUT/NAME.json`` (the command, date, host, the zload source's hash and ``results``) and
+    ``OUT/NAME.md`` (``markdown`` of it, also printed), as the single-file benchmarks write them."""
+    data = {"command": command, "date": time.strftime("%Y-%m-%d"), "host": host_info(),
+            "zload_source": zload_source_hash(os.path.join(REPO, "zload")), "results": results}
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, name)
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(data))
+    print(markdown(data))
+    return data
 
 
 def host_info() -> dict:

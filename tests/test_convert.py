@@ -1,0 +1,251 @@
+"""``zload.convert`` / ``zload convert``: DeepSpeed's own checkpoints into Hugging Face safetensors.
+
+Checkpoints are real: ``deepspeed.initialize``, one training step, ``engine.save_checkpoint``
+(tests/native_checkpoints.py, the cases of tests/test_native_checkpoints.py, built once a
+session). The reference is DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``: every
+tensor written must equal it bit for bit, in name and dtype, a tied alias written once under the
+name stored.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zload
+from zload.converting import byte_share
+from zload.save_plan import OutTensor, layout
+
+from .checkpoints import read_all
+from .harness import run_world
+from .models import tiny_llama_config
+from .native_checkpoints import NativeCase, deepspeed_reference, zload_reference
+from .test_native_checkpoints import CASES
+from .zero3 import assert_bit_equal
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
+
+
+def _check_master(out, case: NativeCase) -> dict[str, torch.Tensor]:
+    """``out`` holds what zload reads of ``case`` (DeepSpeed's reference), names, dtypes and
+    bits, each tied alias once, under the name stored."""
+    reference, written = zload_reference(case), read_all(out)
+    assert set(case.tied) <= set(reference)
+    assert sorted(written) == sorted(set(reference) - set(case.tied))
+    for name, tensor in written.items():
+        assert_bit_equal(tensor, reference[name], name)
+    assert zload.open_checkpoint(out).tensors.keys() == written.keys()
+    return written
+
+
+def _converted(folder, out, **kwargs) -> Path:
+    zload.convert(folder, out, **kwargs)
+    return Path(out)
+
+
+def _convert_body(folder, out, kwargs) -> list[str]:
+    return zload.convert(folder, out, **kwargs).files
+
+
+# ---------------------------------------------------------------------------------------------
+# master weights: DeepSpeed's reference
+
+@pytest.fixture(scope="module")
+def zero3_w2(native_checkpoint, tmp_path_factory) -> NativeCase:
+    """A bf16 tiny Llama, ZeRO-3 on 2 ranks, frozen parameters and tied embeddings, in a folder
+    that also holds its config.json, as an HF Trainer's checkpoint-N/ does."""
+    case = native_checkpoint(world=2, stage=3, dtype="bf16")
+    folder = tmp_path_factory.mktemp("trainer") / "checkpoint-1"
+    shutil.copytree(case.folder, folder)
+    tiny_llama_config(tie=True).to_json_file(folder / "config.json")
+    return case._replace(folder=folder, tag_folder=folder / case.tag_folder.name)
+
+
+def test_zero3_bf16_masters_as_deepspeed_writes_them(zero3_w2, tmp_path):
+    written = _check_master(_converted(zero3_w2.folder, tmp_path / "out"), zero3_w2)
+    frozen, trainable = zero3_w2.frozen_names[0], "model.embed_tokens.weight"
+    assert written[frozen].dtype == torch.bfloat16 and written[trainable].dtype == torch.float32
+    assert not torch.equal(written[trainable], zero3_w2.module_weights[trainable].float()), "masters are fp32"
+    assert_bit_equal(written[trainable], zero3_w2.masters[trainable], trainable)
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert (tmp_path / "out" / "config.json").read_bytes() == (zero3_w2.folder / "config.json").read_bytes()
+
+
+def test_the_output_loads_with_transformers_alone(zero3_w2, tmp_path):
+    """``from_pretrained`` without DeepSpeed gets every tensor, the tied head included, equal to
+    DeepSpeed's reference: nothing missing, unexpected or re-initialised."""
+    zload.convert(zero3_w2.tag_folder, tmp_path / "out")
+    model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
+                                                                output_loading_info=True)
+    assert not any(info.values()), info
+    reference = deepspeed_reference(zero3_w2.folder)
+    state = model.state_dict()
+    assert sorted(state) == sorted(reference)
+    for name, tensor in state.items():
+        assert_bit_equal(tensor, reference[name].float(), name)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_kind_of_checkpoint(native_checkpoint, tmp_path, name):
+    """ZeRO-1/2/3, bf16/fp16/fp32, saved by 1-3 ranks; several fp32 flat groups; an offloaded
+    optimizer; ZeRO-1/2's last partitions saved without their padding; buffers (floating ones as
+    float32, integer ones as they are); ZeRO-1's frozen parameters, which DeepSpeed's reader drops,
+    as the module holds them."""
+    case = native_checkpoint(**CASES[name])
+    written = _check_master(_converted(case.folder, tmp_path / "out"), case)
+    for buffer in case.buffer_names:
+        floating = case.module_weights[buffer].is_floating_point()
+        assert written[buffer].dtype == (torch.float32 if floating else case.module_weights[buffer].dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# module weights: the engine's own
+
+@pytest.mark.parametrize("name", ["z3-bf16-w2-groups", "z3-fp16-w2", "z2-bf16-w2", "z1-bf16-w2-awkward"])
+def test_module_weights_are_the_engines_own(native_checkpoint, tmp_path, name):
+    """ZeRO-3 stores only fp32 masters: cast to the module's 16 bits they are bit for bit the live
+    engine's gathered weights (frozen ones too); ZeRO-1/2 store the module's weights as they are."""
+    case = native_checkpoint(**CASES[name])
+    written = read_all(_converted(case.folder, tmp_path / "out", weights="module"))
+    assert sorted(written) == sorted(set(case.module_weights) - set(case.tied))
+    for tensor_name, tensor in written.items():
+        assert_bit_equal(tensor, case.module_weights[tensor_name], tensor_name)
+
+
+# ---------------------------------------------------------------------------------------------
+# layout and processes
+
+def test_sharded_as_save_pretrained_shards(zero3_w2, tmp_path):
+    """A small max_shard_size: huggingface_hub's splitter over the tensors in module order, the
+    index naming every tensor, each file's digest recorded (``verify="full"`` checks it)."""
+    report = zload.convert(zero3_w2.folder, tmp_path / "out", max_shard_size="8KB")
+    n = len(report.files)
+    assert n > 2 and report.files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    written = _check_master(tmp_path / "out", zero3_w2)
+    assert sorted(index["weight_map"]) == sorted(written)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in written.values())
+    assert os.listdir(tmp_path / "out").count("config.json") == 1
+    done = subprocess.run([sys.executable, "-m", "zload", "validate", "--full", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0 and f"{n} files matched the digest" in done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_processes_write_the_same_bytes_as_one(zero3_w2, tmp_path, world):
+    for shard in ("5GB", "6KB"):
+        zload.convert(zero3_w2.folder, tmp_path / f"one-{shard}", max_shard_size=shard)
+        files = run_world(world, _convert_body, zero3_w2.folder, str(tmp_path / f"many-{shard}"),
+                          {"max_shard_size": shard, "staging_bytes": 4096})
+        assert files == [files[0]] * world and (len(files[0]) == 1) == (shard == "5GB")
+        assert _files(tmp_path / f"many-{shard}") == _files(tmp_path / f"one-{shard}")
+
+
+def test_byte_shares_cover_every_element_once():
+    """Each element goes to exactly one rank, and the ranks' shares differ by an element at most."""
+    shapes = [("float32", (7, 3)), ("bfloat16", (5,)), ("int64", ()), ("float32", (0, 4)), ("bfloat16", (13,))]
+    tensors = [OutTensor(f"t{i}", dtype, shape, ((i, 0, 0, 0),)) for i, (dtype, shape) in enumerate(shapes)]
+    files = layout(tensors, 40)
+    everything = sorted((i, k) for i, (_, shape) in enumerate(shapes) for k in range(torch.Size(shape).numel()))
+    for world in (1, 2, 3, 7, 200):
+        shares = [byte_share(files, rank, world) for rank in range(world)]
+        assert sorted((i.target, i.src_offset + k) for share in shares for i in share for k in range(i.numel)) \
+            == everything
+        sizes = [sum(i.nbytes for i in share) for share in shares]
+        assert max(sizes) - min(sizes) <= 2 * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# failures: every rank raises the same error, OUT keeps what it held
+
+def _convert_failing_on(rank_failing, folder, out, corrupt, how) -> tuple[str, str] | list[str]:
+    import torch.distributed as dist
+
+    import zload.writer
+
+    rank, original = dist.get_rank(), zload.writer._pwrite_all
+    if rank == rank_failing and how == "disk":
+        def disk_full(*args):
+            raise OSError(errno.ENOSPC, "injected: no space left on device")
+        zload.writer._pwrite_all = disk_full
+    try:
+        return zload.convert(corrupt if rank == rank_failing and how == "corrupt" else folder, out,
+                             staging_bytes=4096).files
+    except zload.ZloadError as e:
+        return type(e).__name__, str(e)
+    finally:
+        zload.writer._pwrite_all = original
+
+
+@pytest.mark.parametrize("how,world", [("corrupt", 2), ("disk", 3)])
+def test_a_failure_on_one_rank_fails_every_rank_and_leaves_out_as_it_was(zero3_w2, tmp_path, how, world):
+    """A corrupt optimizer state file that one rank reads (its own copy), or a full disk on one
+    rank while writing: the same error on every rank, naming the rank; OUT as it was."""
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(zero3_w2.folder, corrupt)
+    victim = next((corrupt / "global_step1").glob("*rank_1_mp_rank_00_optim_states.pt"))
+    victim.write_bytes(victim.read_bytes()[:-1000])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone's notes")
+    results = run_world(world, _convert_failing_on, 1, zero3_w2.folder, str(out), str(corrupt), how)
+    assert all(isinstance(r, tuple) for r in results), results
+    # the same error, but for the heading, where each rank names the checkpoint it was given
+    assert len({(kind, message.split("\n", 1)[1]) for kind, message in results}) == 1, results
+    kind, message = results[0]
+    expected = {"corrupt": ("InvalidCheckpointError", "nothing was written"),
+                "disk": ("ZloadError", "still holds what it held before")}[how]
+    assert kind == expected[0] and expected[1] in message and "[rank 1]" in message, message
+    assert _files(out) == {"notes.txt": b"someone's notes"}
+
+
+def test_not_a_deepspeed_checkpoint(tmp_path):
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(zload.CheckpointNotFoundError, match="(?s)nothing was written.*holds neither 'latest'"):
+        zload.convert(tmp_path / "plain", tmp_path / "out")
+    with pytest.raises(zload.ArgumentValueError, match="weights='fp16'"):
+        zload.convert(tmp_path / "plain", tmp_path / "out", weights="fp16")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+
+def test_cli(zero3_w2, tmp_path):
+    from zload.cli import main
+
+    assert main(["convert", str(zero3_w2.folder), str(tmp_path / "cli"), "--max-shard-size", "10KB"]) == 0
+    zload.convert(zero3_w2.folder, tmp_path / "api", max_shard_size="10KB")
+    assert _files(tmp_path / "cli") == _files(tmp_path / "api")
+    assert main(["convert", str(zero3_w2.tag_folder), str(tmp_path / "module"), "--module-weights"]) == 0
+    assert read_all(tmp_path / "module")["model.norm.weight"].dtype == torch.bfloat16
+    assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+
+
+def test_cli_under_torchrun(zero3_w2, tmp_path):
+    """``torchrun -m zload convert``: the processes join one group, each writes its share."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "zload", "convert", str(zero3_w2.folder), str(tmp_path / "out")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("zload: saved") == 2
+    zload.convert(zero3_w2.folder, tmp_path / "one")
+    assert _files(tmp_path / "out") == _files(tmp_path / "one")

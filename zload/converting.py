@@ -1,0 +1,172 @@
+"""``convert``: a DeepSpeed checkpoint (``engine.save_checkpoint``) into Hugging Face safetensors.
+
+It writes what DeepSpeed's ``zero_to_fp32.py`` returns without ever holding a tensor whole, let
+alone the model: the output is planned from the checkpoint's metadata (``native``: which pieces
+of the saved ranks' flat fp32 partitions hold each tensor), laid out as ``save`` lays out its
+files, and each tensor's elements are read from those pieces straight to their offset in the
+shard, a staging batch at a time, cast on the way (``writer.write_from_files``). Memory stays at
+the staging buffers and the index, whatever the size of the model or of a shard.
+
+Run as N processes (torchrun), each writes an equal share of the output's bytes, cut at element
+boundaries. Shares of bytes rather than whole shards keep every process equally busy when the
+output is one file or a few shards of unequal size, and each share is independent byte ranges of
+the same files, as each rank's partitions are in a ``save``. Everything after the plan is
+``save``'s own (``saving.write_checkpoint``): the staging folder, the agreement on any problem of
+any rank, the digests, and rank 0's commit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from math import ceil, prod
+
+import torch
+
+from . import save_plan, writer
+from .checkpoint import LocalView, share_index, viewed
+from .collector import collector_paused
+from .distributed import agree, problems_of, rank_and_world, stage
+from .errors import ArgumentValueError, CheckpointNotFoundError, InvalidCheckpointError, ZloadWarning
+from .execute import DEFAULT_STAGING_BYTES
+from .files import FileTable, OpenFile, open_regular
+from .index import DTYPES, MAX_INDEX_BYTES, SINGLE_FILE, CheckpointIndex, TensorEntry, pread_exactly
+from .native import LATEST, converted_tensors, native_folder, read_native
+from .progress import progress_for
+from .report import SaveReport
+from .save_plan import OutFile, OutTensor, WriteItem
+from .saving import write_checkpoint
+
+WEIGHTS = ("master", "module")
+CONFIG = "config.json"  # copied from the folder holding the tag folder (an HF Trainer checkpoint-N/)
+
+
+@dataclass
+class _Source:
+    """The checkpoint as this rank read it: its view (files open), what to write from it (each
+    tensor's entry and output dtype) and the config to copy."""
+
+    view: LocalView
+    tensors: list[tuple[TensorEntry, str]]
+    config: OpenFile | None
+
+
+def _read(source: str, weights: str) -> _Source:
+    if weights not in WEIGHTS:
+        raise ArgumentValueError(f"weights={weights!r}: expected 'master' (the fp32 master weights) or "
+                                 "'module' (the module's own, 16-bit when trained so)")
+    folder = native_folder(source)
+    if folder is None:
+        where = "no such folder" if not os.path.lexists(source) else "not a folder" if not os.path.isdir(source) \
+            else f"holds neither '{LATEST}' nor *_model_states.pt"
+        raise CheckpointNotFoundError(f"{source}: {where}; expected a DeepSpeed checkpoint: the folder "
+                                      "engine.save_checkpoint wrote, or one of its tag folders (global_stepN)",
+                                      path=source)
+    table = FileTable()
+    try:
+        layout, entries = read_native(folder, table, module_weights=weights == "module")
+        config = os.path.join(os.path.dirname(os.path.abspath(folder)), CONFIG)
+        opened = table.add(open_regular(config), CONFIG) if os.path.lexists(config) else None
+        if opened is not None and opened.identity.size > MAX_INDEX_BYTES:
+            raise InvalidCheckpointError(f"{config}: {opened.identity.size:,} bytes, too large for a model "
+                                         "config; move it away to convert without it", path=config)
+        keys = tuple(k for k in table.files if k != CONFIG)
+        index = CheckpointIndex(source, keys, entries, opened=table, root=os.path.abspath(folder))
+    except BaseException:
+        table.close()
+        raise
+    return _Source(viewed(source, index), converted_tensors(layout, entries, weights == "module"), opened)
+
+
+def _read_agreed(source: str, weights: str) -> _Source:
+    """The checkpoint read on every rank, which must all see the same whole one; raises the same
+    error on every rank if any cannot."""
+    refused = f"zload: cannot convert {source}; nothing was written"
+    read, problems = problems_of(f"reading {source}", lambda: _read(source, weights))
+    view = read.view if read else LocalView(source, None, problems=problems)
+    try:
+        agreed = share_index(view, refused)
+        if agreed is None or agreed.sharing:  # the same on every rank
+            raise CheckpointNotFoundError(f"{refused}: {source} is not on every rank; every process of a "
+                                          "conversion reads the whole checkpoint", path=source)
+    except BaseException:
+        view.close()
+        raise
+    return read
+
+
+def byte_share(files: list[OutFile], rank: int, world: int) -> list[WriteItem]:
+    """This rank's part of the files' tensor bytes: the ``rank``-th of ``world`` equal slices of
+    all of them, in file order, each element to the slice holding its first byte. Targets are
+    the tensors' (``OutTensor.pieces``)."""
+    total = sum(t.nbytes for f in files for t, _ in f.tensors)
+    low, high, at, items = total * rank // world, total * (rank + 1) // world, 0, []
+    for f in files:
+        for tensor, position in f.tensors:
+            size, numel = getattr(torch, tensor.dtype).itemsize, prod(tensor.shape)
+            first, last = (min(numel, max(0, ceil((bound - at) / size))) for bound in (low, high))
+            if first < last:
+                items.append(WriteItem(f.name, position + first * size, tensor.pieces[0][0], first,
+                                       last - first, tensor.dtype))
+            at += tensor.nbytes
+    return items
+
+
+def _plan(tensors: list[tuple[TensorEntry, str]], max_shard_size: int | str) -> save_plan.SavePlan:
+    """The files, as ``save`` lays them out; each tensor whole from its entry (target ``i``)."""
+    out = [OutTensor(entry.name, DTYPES[dtype][0], entry.shape, ((i, 0, 0, entry.numel),))
+           for i, (entry, dtype) in enumerate(tensors)]
+    return save_plan.SavePlan([], save_plan.layout(out, save_plan.parse_size(max_shard_size)), SINGLE_FILE, [])
+
+
+@collector_paused()
+def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: str = "master",
+            max_shard_size: int | str = "5GB", progress: bool | None = None,
+            staging_bytes: int = DEFAULT_STAGING_BYTES) -> SaveReport:
+    """Write the DeepSpeed checkpoint ``checkpoint`` (the folder ``engine.save_checkpoint`` wrote,
+    or a tag folder in it; ZeRO-1, 2 or 3, any world size) into the folder ``out`` as Hugging
+    Face safetensors, laid out and committed as ``zload.save`` writes.
+
+    ``weights="master"``: what DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` returns
+    (trainable parameters as fp32 masters, frozen ones as stored, floating buffers as float32);
+    ``"module"``: every tensor in the module's dtype, the engine's own 16-bit weights. Tied
+    weights once, under the name DeepSpeed stored. The ``config.json`` beside the tag folder (an
+    HF Trainer's ``checkpoint-N/``) is copied. Streamed in pieces of at most ``staging_bytes``
+    in all, whatever the model's size. Under torch.distributed every rank must call it and each
+    writes a share (rank 0 all of it when the ranks do not share ``out``'s filesystem); a problem
+    on any rank raises the same error on every rank, leaving ``out`` as it was. ``progress``: a
+    bar on rank 0 (None: only on a terminal).
+    """
+    started = time.perf_counter()
+    rank, world = rank_and_world()
+    source, final = os.fspath(checkpoint), os.path.abspath(os.fspath(out))
+    with stage(f"reading {source}", "Nothing was written."):
+        read = _read_agreed(source, weights)
+    entries = [entry for entry, _ in read.tensors]
+
+    def write(plan, staging: str, shared: bool, failed: str) -> int:
+        writers = world if shared else 1
+        items = byte_share(plan.files, rank, writers) if rank < writers else []
+        with progress_for(sum(i.numel * entries[i.target].itemsize for i in items), rank=rank,
+                          enabled=progress) as bar:
+            written, problems = problems_of("writing", lambda: writer.write_from_files(
+                items, entries, read.view.index.opened, staging, staging_bytes, bar))
+        agree(problems, failed)
+        return written
+
+    def write_config(plan, folder: str) -> None:
+        if read.config is not None:
+            with open(os.path.join(folder, CONFIG), "wb") as copy:
+                copy.write(pread_exactly(read.config, read.config.identity.size, 0))
+
+    try:
+        plan, written, notes = write_checkpoint(final, lambda: _plan(read.tensors, max_shard_size), write,
+                                                write_config, None)
+    finally:
+        read.view.close()
+    for note in notes:  # point at the caller's convert() line
+        warnings.warn(note, ZloadWarning, stacklevel=3)
+    return SaveReport(final, [f.name for f in plan.files], sum(f.size for f in plan.files), written, [],
+                      time.perf_counter() - started)
