@@ -276,9 +276,9 @@ def test_an_empty_tensor_lies_in_a_file_of_the_checkpoint():
 
 def test_a_nest_of_shared_lists_prints_briefly():
     """A hostile value in a message: 2**60 items if printed whole."""
-    from zload.index import _brief
+    from zload.index import brief
 
     nest = [1]
     for _ in range(60):
         nest = [nest, nest]
-    assert len(_brief(nest)) < 300
+    assert len(brief(nest)) < 300

@@ -145,7 +145,7 @@ _NESTED.maxlevel, _NESTED.maxstring, _NESTED.maxother, _NESTED.maxlong = 3, 60, 
 _NESTED.maxtuple = _NESTED.maxlist = _NESTED.maxdict = _NESTED.maxset = _NESTED.maxfrozenset = 8
 
 
-def _brief(value, limit: int = 200) -> str:
+def brief(value, limit: int = 200) -> str:
     """``repr(value)``, cut short: a hostile header must not make a 100 MB error message that
     every rank then exchanges, nor a nest of shared lists one that takes 2**depth steps to print
     (containers are printed a few items and levels deep)."""
@@ -180,10 +180,10 @@ def _strict_json(text: str, what: str):
                     try:
                         text_.encode("utf-8")
                     except UnicodeEncodeError:
-                        raise ValueError(f"string {_brief(text_)} holds a lone surrogate (not "
+                        raise ValueError(f"string {brief(text_)} holds a lone surrogate (not "
                                          "Unicode)") from None
             if key in seen:
-                raise ValueError(f"duplicate key {_brief(key)}")
+                raise ValueError(f"duplicate key {brief(key)}")
             seen[key] = value
         return seen
 
@@ -200,30 +200,30 @@ def _is_u64(value) -> bool:
 
 def _parse_entry(path: str, key: str, name: str, raw, data_start: int) -> TensorEntry:
     def bad(why: str) -> InvalidCheckpointError:
-        return InvalidCheckpointError(f"{path}: tensor {_brief(name)}: {why}", path=path, tensor=name)
+        return InvalidCheckpointError(f"{path}: tensor {brief(name)}: {why}", path=path, tensor=name)
 
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
-        raise bad(f"header entry must have exactly dtype, shape and data_offsets, got {_brief(raw)}")
+        raise bad(f"header entry must have exactly dtype, shape and data_offsets, got {brief(raw)}")
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise bad(f"unknown dtype {_brief(dtype)} (known: {', '.join(DTYPES)})")
+        raise bad(f"unknown dtype {brief(dtype)} (known: {', '.join(DTYPES)})")
     if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
-        raise bad(f"shape must be a list of non-negative 64-bit integers, got {_brief(shape)}")
+        raise bad(f"shape must be a list of non-negative 64-bit integers, got {brief(shape)}")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(_is_u64(o) for o in offsets) or offsets[0] > offsets[1]):
         raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end < 2**64, got "
-                  f"{_brief(offsets)}")
+                  f"{brief(offsets)}")
     numel = 1
     for dim in shape:  # as safetensors multiplies: left to right, any overflow refused
         numel *= dim
         if numel > _U64_MAX:
-            raise bad(f"shape {_brief(shape)} has more than 2**64 elements")
+            raise bad(f"shape {brief(shape)} has more than 2**64 elements")
     if numel * DTYPES[dtype][1] * 8 > _U64_MAX:
-        raise bad(f"shape {_brief(shape)} of {dtype} has more than 2**64 bits")
+        raise bad(f"shape {brief(shape)} of {dtype} has more than 2**64 bits")
     begin, end = offsets
     expected = numel * DTYPES[dtype][1]
     if end - begin != expected:
-        raise bad(f"data_offsets {offsets} hold {end - begin} bytes but shape {_brief(shape)} of "
+        raise bad(f"data_offsets {offsets} hold {end - begin} bytes but shape {brief(shape)} of "
                   f"{dtype} needs {expected}")
     return TensorEntry(name, key, dtype, tuple(shape), data_start + begin, end - begin)
 
@@ -278,12 +278,12 @@ def parse_header(opened: OpenFile, key: str) -> dict[str, TensorEntry]:
     for entry in sorted(entries.values(), key=lambda e: (e.start, e.nbytes)):
         if entry.start != cursor:
             where = f"overlaps '{previous}'" if entry.start < cursor else "leaves a gap before it"
-            raise InvalidCheckpointError(f"{path}: tensor {_brief(entry.name)} at data offset "
+            raise InvalidCheckpointError(f"{path}: tensor {brief(entry.name)} at data offset "
                                          f"{entry.start - data_start} {where}", path=path, tensor=entry.name)
         cursor, previous = entry.start + entry.nbytes, entry.name
     if cursor != file_size:
         if cursor > file_size:
-            raise InvalidCheckpointError(f"{path}: tensor {_brief(previous)} ends at byte {cursor} but the "
+            raise InvalidCheckpointError(f"{path}: tensor {brief(previous)} ends at byte {cursor} but the "
                                          f"file has only {file_size} bytes (truncated?)", path=path, tensor=previous)
         raise InvalidCheckpointError(f"{path}: {file_size - cursor} bytes after the last tensor are not "
                                      f"described by the header", path=path)
@@ -342,7 +342,7 @@ def index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) -
         paths[shard] = shard_path(folder, shard)
         if paths[shard] is None:
             tensor = next(name for name, s in weight_map.items() if s == shard)
-            raise InvalidCheckpointError(f"{index_path}: tensor {_brief(tensor)} is mapped to {_brief(shard)}, "
+            raise InvalidCheckpointError(f"{index_path}: tensor {brief(tensor)} is mapped to {brief(shard)}, "
                                          f"which is not a file inside the checkpoint folder {folder}",
                                          path=index_path, tensor=tensor)
     tensors: dict[str, TensorEntry] = {}
@@ -361,16 +361,16 @@ def index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) -
         key = os.path.relpath(paths[shard], folder)
         for name, entry in parse_header(table.add(open_regular(paths[shard]), key), key).items():
             if name in tensors:
-                raise InvalidCheckpointError(f"{paths[shard]}: tensor {_brief(name)} also appears in "
+                raise InvalidCheckpointError(f"{paths[shard]}: tensor {brief(name)} also appears in "
                                              f"{os.path.join(folder, tensors[name].file)}", path=paths[shard],
                                              tensor=name)
             if weight_map.get(name) != shard:
-                raise InvalidCheckpointError(f"{paths[shard]}: tensor {_brief(name)} is not listed for this "
+                raise InvalidCheckpointError(f"{paths[shard]}: tensor {brief(name)} is not listed for this "
                                              f"shard in {index_path}", path=paths[shard], tensor=name)
             tensors[name] = entry
     for name, shard in weight_map.items():
         if name not in tensors and shard not in absent:
-            raise InvalidCheckpointError(f"{paths[shard]}: tensor {_brief(name)} listed in {index_path} is not "
+            raise InvalidCheckpointError(f"{paths[shard]}: tensor {brief(name)} listed in {index_path} is not "
                                          f"in the shard", path=paths[shard], tensor=name)
     key = {shard: os.path.relpath(paths[shard], folder) for shard in shards}
     return CheckpointIndex(index_path, tuple(key[s] for s in shards), tensors,

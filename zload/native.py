@@ -33,7 +33,7 @@ from math import prod
 
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
 from .files import FileTable, OpenFile, open_regular
-from .index import DTYPES, MAX_HEADER_BYTES, CheckpointIndex, Fragment, TensorEntry, _brief, pread_exactly, shard_path
+from .index import DTYPES, MAX_HEADER_BYTES, CheckpointIndex, Fragment, TensorEntry, brief, pread_exactly, shard_path
 from .targets import Partition
 
 LATEST = "latest"  # the file save_checkpoint writes: the tag of the newest checkpoint
@@ -253,12 +253,12 @@ class _PtFile:
 
 def _shape(file: _PtFile, value, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or not all(isinstance(d, int) and d >= 0 for d in value):
-        raise file.invalid(f"{what}: shape {_brief(value)} is not a tuple of sizes", what)
+        raise file.invalid(f"{what}: shape {brief(value)} is not a tuple of sizes", what)
     numel = 1
     for size in value:  # stopped at once: a long shape of large sizes would take minutes to multiply
         numel *= size
         if numel > _MAX_NUMEL:
-            raise file.invalid(f"{what}: shape {_brief(value)} has more elements than a tensor can (2**63)", what)
+            raise file.invalid(f"{what}: shape {brief(value)} has more elements than a tensor can (2**63)", what)
     return tuple(value)
 
 
@@ -376,8 +376,8 @@ def native_entries(layout: NativeLayout, module_weights: bool = False) -> tuple[
                       or (layout.stage == 3 and s != sizes[0])), None)
     if differing is not None:
         problems.append(f"the ranks' fp32 flat groups differ in size: rank 0's ({_files(layout.flat[0])}) hold "
-                        f"{_brief(sizes[0])} elements, rank {differing}'s ({_files(layout.flat[differing])}) "
-                        f"{_brief(sizes[differing])} (files of different saves?)")
+                        f"{brief(sizes[0])} elements, rank {differing}'s ({_files(layout.flat[differing])}) "
+                        f"{brief(sizes[differing])} (files of different saves?)")
         return entries, problems
     if layout.stage == 3:
         offset, total = 0, sum(sizes[0])
@@ -526,7 +526,7 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
     counts = states[0].get("partition_count")  # ZeRO-1/2: one per parameter group
     counts = counts if isinstance(counts, list) else [counts]
     if not counts or not all(isinstance(c, int) and c > 0 for c in counts):
-        raise first.invalid(f"partition_count {_brief(states[0].get('partition_count'))} is not a count of ranks")
+        raise first.invalid(f"partition_count {brief(states[0].get('partition_count'))} is not a count of ranks")
     if len(set(counts)) > 1:
         raise first.invalid(f"parameter groups partitioned over {sorted(set(counts))} ranks: expert parallelism, "
                             "which zload does not read; convert it with DeepSpeed's ds_to_universal.py")
@@ -555,7 +555,7 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
                            "convert it with DeepSpeed's ds_to_universal.py")
     steps = {f.key: f.state.get("global_steps") for f in model_files}
     if len(set(map(repr, steps.values()))) > 1:  # a rank's file left by an earlier save to the same tag
-        raise main.invalid(f"the ranks' model states are of different steps ({_brief(steps)}); copy the save "
+        raise main.invalid(f"the ranks' model states are of different steps ({brief(steps)}); copy the save "
                            "again, or remove the files an older save left")
     groups = main.get(main.state, "param_shapes", list, "entry")
     param_shapes = [_shapes(main, g, f"param_shapes[{i}]") for i, g in enumerate(groups)]
