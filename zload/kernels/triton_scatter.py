@@ -123,6 +123,8 @@ def _usable(tensor: torch.Tensor, interpret: bool) -> bool:
 def _row_code(seg, dst: torch.Tensor) -> int | None:
     """The kernel's code for ``seg`` (see ``_scatter_cast_kernel``), or None if it cannot take it."""
     width = dst.element_size()
+    if seg.dequant is not None:
+        return None
     if seg.src_dtype is None or seg.src_dtype == dst.dtype:
         return width * 16 if width in _TORCH_BITS else None
     if seg.src_dtype in _FLOAT_CODES and dst.dtype in _FLOAT_CODES:
