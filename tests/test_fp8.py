@@ -21,6 +21,7 @@ from zload.targets import FULL, PARTITION, Partition, Target
 from .fp8_checkpoints import dequantize, quantize
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in the Triton interpreter: NaN, inf
 DST_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -156,3 +157,64 @@ def test_partitioned_reads_dequantise_bit_exact(tmp_path, fp8_dtype, dst_dtype, 
                     expected = reference[t.name].reshape(-1)[low:high].to(dst_dtype)
                     assert torch.equal(dest[:high - low].reshape(-1).view(torch.uint8),
                                        expected.reshape(-1).view(torch.uint8)), (t.name, world, rank)
+
+
+def _fp8_segments(fp8_dtype, scale_dtype, block, g):
+    """A staging buffer holding a (2, 37, 29) FP8 weight of random bits (NaNs, subnormals and, for
+    e5m2, infs included) and its scales, and segments that cut it at awkward places (mid block
+    row, across matrices) the way partitioned reads do: (staging, segments, numel)."""
+    from zload.kernels import Dequant, Segment
+    from zload.quantized import Scale
+
+    shape = (2, 37, 29)
+    numel = torch.Size(shape).numel()
+    weight = torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=g)
+    scale = Scale(TensorEntry("s", "f", "F32", (), 0, 0), 37, 29, block) if block else \
+        Scale(TensorEntry("s", "f", "F32", (), 0, 0), numel, 1, (numel, 1))
+    grid_rows = 2 * scale.grid[0] if block else 1
+    scales = (torch.rand(grid_rows * scale.grid[1], generator=g) * 4).to(scale_dtype)
+    scales[0] = torch.tensor(2.0 ** -130).to(scale_dtype)  # a subnormal float32 scale (bf16 too)
+    staging = torch.zeros(numel + 64 + scales.numel() * 4 + 64, dtype=torch.uint8)
+    staging[:numel] = weight
+    at = -(-numel // 64) * 64
+    staging[at:at + scales.numel() * scales.element_size()] = scales.view(torch.uint8)
+    segments = []
+    for first, count in [(0, 1), (1, 200), (201, 27), (228, 1500), (1728, numel - 1728)]:
+        low, _ = scale.rows_for(first, count)
+        d = Dequant(at + low * scale.grid[1] * scales.element_size(), scale_dtype,
+                    scales.numel() - low * scale.grid[1], first, low, scale.rows, scale.columns,
+                    scale.block, scale.grid)
+        segments.append(Segment(first, fp8_dtype, count, 0, first, d))
+    reference = dequantize(weight.view(fp8_dtype).reshape(shape),
+                           scales.reshape(2, *scale.grid) if block else scales.reshape(()), block)
+    return staging, segments, reference.reshape(-1)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dst_dtype", DST_DTYPES)
+@pytest.mark.parametrize("scale_dtype,block", [(torch.float32, (8, 16)), (torch.bfloat16, (5, 7)),
+                                               (torch.float16, None)])
+def test_torch_and_triton_kernels_dequantise_like_the_reference(monkeypatch, fp8_dtype, dst_dtype,
+                                                                scale_dtype, block):
+    """The torch path equals the reference ``(w.to(float32) * scale expanded).to(dtype)`` bit for
+    bit; the Triton kernel (interpreted) equals the torch path bit for bit, NaNs aside (only "is
+    NaN" is comparable for converted values, as for every cast)."""
+    from zload.kernels.torch_scatter import scatter_cast_torch
+
+    g = torch.Generator().manual_seed(19)
+    staging, segments, reference = _fp8_segments(fp8_dtype, scale_dtype, block, g)
+    expected = reference.to(dst_dtype)
+    torch_out = [torch.full((reference.numel(),), 7.0, dtype=dst_dtype)]
+    scatter_cast_torch(staging, segments, torch_out)
+    assert torch.equal(torch_out[0].view(torch.uint8), expected.view(torch.uint8))
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from zload.kernels import triton_scatter
+
+    triton_out = [torch.full((reference.numel(),), 7.0, dtype=dst_dtype)]
+    rest = triton_scatter.scatter_cast_triton(staging, segments, triton_out, block=64)
+    assert rest == []
+    nan = expected.isnan()
+    assert torch.equal(triton_out[0].isnan(), nan)
+    assert torch.equal(triton_out[0][~nan].view(torch.uint8), expected[~nan].view(torch.uint8))
