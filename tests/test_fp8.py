@@ -218,3 +218,32 @@ def test_torch_and_triton_kernels_dequantise_like_the_reference(monkeypatch, fp8
     nan = expected.isnan()
     assert torch.equal(triton_out[0].isnan(), nan)
     assert torch.equal(triton_out[0][~nan].view(torch.uint8), expected[~nan].view(torch.uint8))
+
+
+def test_inspect_shows_the_quantisation(tmp_path, capsys):
+    from zload.cli import main
+
+    torch.manual_seed(0)
+    q, s = quantize(torch.randn(37, 29), (16, 8))
+    q2, s2 = quantize(torch.randn(5, 3), None, torch.float8_e5m2)
+    save_file({"a.weight": q, "a.weight_scale_inv": s, "b.weight": q2, "b.weight_scale": s2,
+               "c.weight": q2.clone(), "norm": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 8]}}))
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "quantization: fp8, 3 FP8 weights (16x8; 1 scale paired), dequantised on load" in out
+    assert "problem: tensor 'b.weight' (model.safetensors): scale 'b.weight_scale' (model.safetensors) " \
+           "has shape []; a [5, 3] weight in blocks of [16, 8] needs [1, 1]" in out
+    assert "problem: tensor 'c.weight' (model.safetensors): F8_E5M2 weight without its scale" in out
+    assert "F8_E4M3 (16x8 blocks)" in out
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["quantization"]["blocks"] == ["16x8"] and summary["quantization"]["scales"] == 1
+    (a,) = [t for t in summary["tensors"] if t["name"] == "a.weight"]
+    assert a["scale"] == {"name": "a.weight_scale_inv", "block": [16, 8]}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out  # no block size: one-element scales are per tensor, others 128x128
+    assert "quantization: fp8, 3 FP8 weights (per tensor; 1 scale paired)" in out
+    assert "F8_E5M2 (per tensor)" in out and "in blocks of [128, 128] needs [1, 1]" in out

@@ -50,6 +50,11 @@ class Scale:
     block: tuple[int, int]  # (bR, bC)
 
     @property
+    def per_tensor(self) -> bool:
+        """One scale for the whole weight (its geometry is one block of ``numel`` x 1)."""
+        return self.columns == 1 and self.block == (self.rows, 1)
+
+    @property
     def grid(self) -> tuple[int, int]:
         """(scale rows, scale columns) of one matrix."""
         return -(-self.rows // self.block[0]), -(-self.columns // self.block[1])
