@@ -23,12 +23,20 @@ class Dequant(NamedTuple):
     block: tuple[int, int]
     grid: tuple[int, int]
 
-    def scale_indices(self, numel: int, device) -> torch.Tensor:
-        """For each of the segment's ``numel`` elements, the index of its scale among those staged."""
-        element = torch.arange(self.first_element, self.first_element + numel, device=device)
-        row = element // self.columns
-        scale_row = (row // self.rows) * self.grid[0] + (row % self.rows) // self.block[0]
-        return (scale_row - self.first_row) * self.grid[1] + (element % self.columns) // self.block[1]
+    def scales_for(self, staged: torch.Tensor, numel: int) -> torch.Tensor:
+        """The float32 scale of each of the segment's ``numel`` elements, from the ``staged``
+        scales: one scale row per weight row touched, widened to the columns (a row at a time,
+        not an index per element, which is several times slower)."""
+        staged = staged.to(torch.float32)
+        if self.count == 1:
+            return staged  # one scale for every element (broadcast)
+        first, last = self.first_element // self.columns, (self.first_element + numel - 1) // self.columns
+        rows = torch.arange(first, last + 1, device=staged.device)
+        scale_rows = (rows // self.rows) * self.grid[0] + (rows % self.rows) // self.block[0] - self.first_row
+        per_row = staged.view(-1, self.grid[1])[scale_rows]
+        widened = per_row.repeat_interleave(self.block[1], dim=1)[:, :self.columns].reshape(-1)
+        start = self.first_element - first * self.columns
+        return widened[start:start + numel]
 
 
 class Segment(NamedTuple):
@@ -67,4 +75,4 @@ def scatter_cast_torch(staging: torch.Tensor, segments, destinations) -> None:
             continue
         d = seg.dequant
         scales = staging[d.staging_offset:d.staging_offset + d.count * d.dtype.itemsize].view(d.dtype)
-        dst.copy_(src.to(torch.float32) * scales.to(torch.float32)[d.scale_indices(seg.numel, src.device)])
+        dst.copy_(src.to(torch.float32).mul_(d.scales_for(scales, seg.numel)))
