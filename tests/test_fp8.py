@@ -193,7 +193,7 @@ def _fp8_segments(fp8_dtype, scale_dtype, block, g):
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("dst_dtype", DST_DTYPES)
 @pytest.mark.parametrize("scale_dtype,block", [(torch.float32, (8, 16)), (torch.bfloat16, (5, 7)),
-                                               (torch.float16, None)])
+                                               (torch.float32, (3, 29)), (torch.float16, None)])
 def test_torch_and_triton_kernels_dequantise_like_the_reference(monkeypatch, fp8_dtype, dst_dtype,
                                                                 scale_dtype, block):
     """The torch path equals the reference ``(w.to(float32) * scale expanded).to(dtype)`` bit for
