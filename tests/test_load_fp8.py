@@ -114,3 +114,32 @@ def test_bad_fp8_checkpoints_are_refused_on_every_rank(saved, tmp_path, change, 
     folder = _tampered(saved, tmp_path, change)
     for error in run_world(2, _load_expecting_refusal, folder, "llama"):
         assert message in error and "the model was not changed" in error, error
+
+
+def _load_with_the_checkpoint_on_rank_zero_only(node_dirs):
+    import os
+
+    import torch.distributed as dist
+
+    model = build_zero(lambda: transformers.LlamaForCausalLM(tiny_llama_config()), torch.bfloat16)
+    before = snapshot(model)
+    cwd = os.getcwd()
+    os.chdir(node_dirs[dist.get_rank()])
+    try:
+        with pytest.raises(zload.ZloadError) as caught:
+            zload.load_into(model, "checkpoint")
+    finally:
+        os.chdir(cwd)
+    assert_unchanged(model, before)
+    return str(caught.value)
+
+
+def test_fp8_weights_in_files_a_rank_lacks_are_refused(saved, tmp_path):
+    """Sending FP8 bytes to a rank without the files is not done: refused before any write."""
+    import shutil
+
+    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    shutil.copytree(saved["llama", "block"] / "block", node_dirs[0] / "checkpoint")
+    node_dirs[1].mkdir()
+    for error in run_world(2, _load_with_the_checkpoint_on_rank_zero_only, [str(d) for d in node_dirs]):
+        assert "FP8 weights in files this rank lacks cannot be sent to it yet" in error, error

@@ -17,8 +17,8 @@ import torch
 from .checkpoint import SharedIndex, open_agreed
 from .collector import collector_paused
 from .converted import load_converted
-from .distributed import Problem, agree, collective, problems_of, rank_and_world, stage
-from .errors import ArgumentValueError, PeerLostError, PlanError, ZloadWarning
+from .distributed import agree, collective, problems_of, rank_and_world, stage
+from .errors import ArgumentValueError, PeerLostError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .index import CheckpointIndex
 from .building import is_unloaded, mark_loaded
@@ -26,7 +26,7 @@ from .kernels import scatter_cast, zero_segment
 from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
 from .progress import progress_for
-from .quantized import read_quantization
+from .quantized import FP8, read_quantization
 from .report import LoadReport, shortened
 from .sharing import fetch_remote
 from .targets import (
@@ -154,10 +154,14 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     if verify not in VERIFY:
         raise ArgumentValueError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY))}")
 
-    def plan_load(index: CheckpointIndex) -> LoadPlan:
+    def plan_load(index: CheckpointIndex, remote_files: frozenset[str]) -> LoadPlan:
         targets = collect_targets(module, engine is not None)
         matching = match(index, targets, module, key_map, read_quantization(index.root))
         plan = make_plan(index, targets, strict=strict, matching=matching)
+        lacked = sorted(n for n, e in index.tensors.items() if e.dtype in FP8 and set(e.files) & remote_files)
+        if lacked:  # first: this rank's other problems with them follow from its lacking config.json
+            plan.problems.insert(0, f"FP8 weights in files this rank lacks cannot be sent to it yet: "
+                                    f"{shortened(lacked, 5)}; put the checkpoint where every node sees it")
         left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
         if strict and left:
             plan.problems.append(f"{len(left)} parameters built by zload.init (no trained values until "
@@ -187,11 +191,6 @@ def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, r
     remote = [i for i in plan.items if i.file in shared.remote_files]
     dests = _destinations(plan)
     failed = f"zload: loading {source} failed part-way; the model is partly written"
-    if shared.sharing:
-        fp8 = sorted({plan.targets[i.target].name for i in remote if i.scale is not None})
-        agree([Problem(PlanError, f"FP8 weights in files this rank lacks cannot be sent to it yet: "
-                                  f"{shortened(fp8, 5)}; put the checkpoint where every node sees it")]
-              if fp8 else [], f"zload: cannot load {source}; the model was not changed")
     with _engine_writes(engine):
         with stage(f"reading {source}", _PARTLY):
             with progress_for(sum(i.nbytes for i in local), rank=rank, enabled=progress) as bar:
