@@ -10,8 +10,8 @@ scale for the whole tensor. The value is ``weight.to(float32) * scale``: despite
 unexpected, never required by the model.
 
 A weight of shape ``(..., R, C)`` with block ``(bR, bC)`` has scales ``(..., ceil(R/bR),
-ceil(C/bC))``; a per-tensor scale is the same geometry with one block of the whole tensor. Pure:
-names, shapes and the config only.
+ceil(C/bC))``; a per-tensor scale is the same geometry with one block of the whole tensor. Only
+``read_quantization`` touches a file (``config.json``); the rest reads names and shapes.
 """
 
 from __future__ import annotations
