@@ -143,3 +143,17 @@ def test_fp8_weights_in_files_a_rank_lacks_are_refused(saved, tmp_path):
     node_dirs[1].mkdir()
     for error in run_world(2, _load_with_the_checkpoint_on_rank_zero_only, [str(d) for d in node_dirs]):
         assert "FP8 weights in files this rank lacks cannot be sent to it yet" in error, error
+
+
+def _load_plain(folder, variant):
+    reference = transformers.LlamaForCausalLM.from_pretrained(folder / f"{variant}-reference").state_dict()
+    model = transformers.LlamaForCausalLM(tiny_llama_config()).to(torch.bfloat16)  # no ZeRO: whole tensors
+    report = zload.load_into(model, folder / variant)
+    compared = check_against(model, reference, names=[n for n, _ in model.named_parameters()])
+    return compared, report.missing, report.unexpected
+
+
+@pytest.mark.parametrize("variant", ["block", "tensor"])
+def test_fp8_checkpoint_loads_into_plain_parameters(saved, variant):
+    for compared, missing, unexpected in run_world(2, _load_plain, saved["llama", variant], variant):
+        assert compared > 10 and missing == [] and unexpected == []
