@@ -4,9 +4,10 @@ FP8 models (DeepSeek-V3/R1, Qwen3-FP8) store ``X.weight`` as ``float8_e4m3fn`` (
 beside it ``X.weight_scale_inv``, one float32 scale per block of ``weight_block_size`` (from
 ``config.json``'s ``quantization_config``, 128x128 by default), or ``X.weight_scale`` with one
 scale for the whole tensor. The value is ``weight.to(float32) * scale``: despite its name the
-``_inv`` scale is multiplied (DeepSeek-V3's ``inference/kernel.py`` ``weight_dequant`` computes
-``y = x * s``, and transformers' ``integrations/finegrained_fp8.py`` dequantises with
-``quantized.to(float32) * scale`` expanded per block). Scales are consumed here: never
+``_inv`` scale is multiplied (DeepSeek-V3's ``inference/kernel.py`` ``weight_dequant``: ``x`` to
+float32, ``y = x * s``, then the default dtype; transformers' ``finegrained_fp8``
+``_dequantize_fp8_weight`` multiplies too, but in the target dtype, which can round differently:
+zload follows DeepSeek's float32 product). Scales are consumed here: never
 unexpected, never required by the model.
 
 A weight of shape ``(..., R, C)`` with block ``(bR, bC)`` has scales ``(..., ceil(R/bR),
