@@ -251,3 +251,14 @@ def test_load_benchmark_modules_stay_small():
     """One concern per module: the benchmark is a package, no module of it over 400 lines."""
     sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "benchmarks" / "load").glob("*.py")}
     assert len(sizes) > 3 and max(sizes.values()) <= 400, sizes
+
+
+def test_fp8_benchmark_prints_one_line_per_world_size(tmp_path):
+    """``benchmarks.fp8_load`` at 4 MB: the FP8 copy is made and both loads are timed."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.fp8_load", "--size", "4MB", "--world", "1",
+                           "--runs", "1", "--cache", str(tmp_path)], check=False, cwd=REPO, text=True,
+                          capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (line,) = [text for text in done.stdout.splitlines() if text.startswith("W=")]
+    assert "FP8->bf16" in line and "bf16->bf16" in line and "GB/s" in line
+    assert any(p.name.endswith("-fp8-128x128") for p in tmp_path.iterdir())

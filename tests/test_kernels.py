@@ -314,9 +314,9 @@ def test_kernel_compiles_for_the_gpu(capability, monkeypatch):
 
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice
     signature = {"staging_ptr": "*u8", "dst8_ptr": "*u8", "dst16_ptr": "*i16", "dst32_ptr": "*i32",
-                 "dst64_ptr": "*i64", "table_ptr": "*i64", "BLOCK": "constexpr"}
+                 "dst64_ptr": "*i64", "table_ptr": "*i64", "BLOCK": "constexpr", "COLUMNS": "constexpr"}
     source = ASTSource(JITFunction(triton_scatter._scatter_cast_kernel), signature,
-                       constexprs={"BLOCK": triton_scatter.BLOCK})
+                       constexprs={"BLOCK": triton_scatter.BLOCK, "COLUMNS": triton_scatter.COLUMNS})
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
     except RuntimeError as e:
@@ -324,3 +324,6 @@ def test_kernel_compiles_for_the_gpu(capability, monkeypatch):
             pytest.skip(f"no ptxas: {e}")
         raise
     assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
+    # the FP8 product keeps float32 subnormals, as torch's does: no flush-to-zero multiply
+    assert "mul.f32" in compiled.asm["ptx"] or "mul.rn.f32" in compiled.asm["ptx"]
+    assert "mul.ftz" not in compiled.asm["ptx"] and "mul.rn.ftz" not in compiled.asm["ptx"]

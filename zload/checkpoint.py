@@ -315,9 +315,10 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
     return SharedIndex(index, {k: readers[k] for k in lacking}, remote)
 
 
-def _planned(plan_load, index: CheckpointIndex) -> tuple[LoadPlan | None, list[Problem]]:
-    """``plan_load(index)`` and its problems (an exception, or the plan's own)."""
-    plan, problems = problems_of("planning", lambda: plan_load(index))
+def _planned(plan_load, index: CheckpointIndex, remote_files: frozenset[str] = frozenset()
+             ) -> tuple[LoadPlan | None, list[Problem]]:
+    """``plan_load(index, remote_files)`` and its problems (an exception, or the plan's own)."""
+    plan, problems = problems_of("planning", lambda: plan_load(index, remote_files))
     return plan, (problems if plan is None else [Problem(PlanError, p) for p in plan.problems])
 
 
@@ -359,7 +360,7 @@ def open_agreed(path: str, revision: str | None, verify: str,
             shared = share_index(view, _refused(source))
         else:
             _no_revision(path, revision)
-        plan, problems = _planned(plan_load, shared.index)
+        plan, problems = _planned(plan_load, shared.index, shared.remote_files)
         agree(problems, _refused(source))
         return source, shared, plan
     except BaseException:

@@ -31,6 +31,7 @@ from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorde
 from .errors import InvalidCheckpointError, ZloadError
 from .execute import reader_count
 from .index import CheckpointIndex
+from .quantized import FP8, pair_scales, read_quantization
 from .report import plural
 from .targets import Partition
 
@@ -66,6 +67,7 @@ def inspect_summary(index: CheckpointIndex) -> dict:
         entry["bytes"] += t.nbytes
     files = [{"path": index.path(f), "bytes": os.path.getsize(index.path(f)), "tensors": per_file[f]}
              for f in index.files]
+    scales, quantization = quantization_summary(index)
     return {
         "source": index.source,
         "valid": True,
@@ -74,10 +76,29 @@ def inspect_summary(index: CheckpointIndex) -> dict:
         "tensor_bytes": index.total_bytes,
         "file_bytes": sum(f["bytes"] for f in files),
         "dtypes": dict(sorted(dtypes.items())),
+        "quantization": quantization,
         "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
                      "file": index.path(t.file) if t.file else None,
-                     "files": [index.path(f) for f in t.files]} for t in tensors],
+                     "files": [index.path(f) for f in t.files],
+                     **({"scale": scales[t.name]} if t.name in scales else {})} for t in tensors],
     }
+
+
+def quantization_summary(index: CheckpointIndex) -> tuple[dict[str, dict], dict | None]:
+    """Each FP8 weight's scale (name and block: ``None`` for one scale per tensor), and the
+    checkpoint's quantisation (None for a checkpoint without FP8 weights): method, block sizes,
+    counts and the problems ``load_into`` would refuse."""
+    quantization = read_quantization(index.root)
+    _, scales, problems = pair_scales(index, quantization)
+    fp8 = [t for t in index.tensors.values() if t.dtype in FP8]
+    if not fp8:
+        return {}, None
+    per_weight = {name: {"name": s.entry.name, "block": None if s.per_tensor else list(s.block)}
+                  for name, s in scales.items()}
+    blocks = sorted({"per tensor" if w["block"] is None else "x".join(map(str, w["block"]))
+                     for w in per_weight.values()})
+    return per_weight, {"method": quantization.method, "blocks": blocks, "fp8_weights": len(fp8),
+                        "scales": len(scales), "problems": problems}
 
 
 def plan_summary(index: CheckpointIndex, world_size: int) -> dict:
@@ -134,6 +155,15 @@ def _files_cell(files: list[str]) -> str:
     return os.path.basename(files[0]) + more if files else ""
 
 
+def _dtype_cell(tensor: dict) -> str:
+    """A tensor's dtype, and for an FP8 weight how it is scaled: ``F8_E4M3 (128x128 blocks)``."""
+    scale = tensor.get("scale")
+    if scale is None:
+        return tensor["dtype"]
+    block = "per tensor" if scale["block"] is None else "x".join(map(str, scale["block"])) + " blocks"
+    return f"{tensor['dtype']} ({block})"
+
+
 def render_inspect(summary: dict, limit: int | None) -> list[str]:
     """The text of ``zload inspect``; ``limit`` caps the tensor table (None: every tensor)."""
     lines = [f"source: {summary['source']}", f"files: {len(summary['files'])}"]
@@ -145,14 +175,21 @@ def render_inspect(summary: dict, limit: int | None) -> list[str]:
               "dtypes:"]
     lines += _table([(dtype, plural(d["tensors"], "tensor"), human_bytes(d["bytes"]))
                      for dtype, d in summary["dtypes"].items()], right=(1, 2))
+    quantization = summary["quantization"]
+    if quantization is not None:
+        lines.append(f"quantization: {quantization['method'] or 'none declared'}, "
+                     f"{plural(quantization['fp8_weights'], 'FP8 weight')} "
+                     f"({', '.join(quantization['blocks']) or 'no scales'}; "
+                     f"{plural(quantization['scales'], 'scale')} paired), dequantised on load")
+        lines += [f"  problem: {p}" for p in quantization["problems"]]
     tensors = summary["tensors"]
     shown = tensors if limit is None else tensors[:limit]
     if shown:
         lines.append("tensors:" if len(shown) == len(tensors) else
                      f"tensors (first {len(shown)} of {len(tensors)}):")
         lines += _table([("name", "dtype", "shape", "size", "file")] +
-                        [(t["name"], t["dtype"], str(t["shape"]), human_bytes(t["bytes"]), _files_cell(t["files"]))
-                         for t in shown], right=(3,))
+                        [(t["name"], _dtype_cell(t), str(t["shape"]), human_bytes(t["bytes"]),
+                          _files_cell(t["files"])) for t in shown], right=(3,))
     if shown and len(shown) < len(tensors):  # --no-tensors (or --limit 0) asked for no list at all
         lines.append(f"  ... {len(tensors) - len(shown)} more (--all to list every tensor)")
     lines.append("valid: yes")

@@ -26,9 +26,10 @@ import torch
 
 from .errors import CheckpointError
 from .files import FileTable, OpenFile
-from .kernels import Segment, scatter_cast
+from .index import DTYPES
+from .kernels import Dequant, Segment, scatter_cast
 from .pagecache import ReadAhead
-from .plan import ALIGN, ReadItem, StagingLayout
+from .plan import ALIGN, ReadItem, StagingLayout, align
 from .progress import Progress
 
 DEFAULT_STAGING_BYTES = 64 << 20  # both staging buffers together
@@ -197,14 +198,27 @@ class _Reader:
             self.queue(item.file, item.offset, view)
             return
         for part in self.layout.parts(item):
-            start = self.layout.place(part.nbytes)
+            start = self.layout.place(part.staged_nbytes)
             if start == 0 and self.segments:
                 self.flush()
             staging = self._staging()
             if start == 0:
                 staging.ready_for_reading()
             self.queue(part.file, part.offset, staging.view[start:start + part.nbytes])
-            self.segments.append(Segment(start, src_dtype, part.numel, part.target, part.dst_offset))
+            dequant = None if part.scale is None else self._queue_scales(part, staging, start)
+            self.segments.append(Segment(start, src_dtype, part.numel, part.target, part.dst_offset,
+                                         dequant))
+
+    def _queue_scales(self, part: ReadItem, staging: _Staging, start: int) -> Dequant:
+        """Queue the read of ``part``'s scale rows, staged after it; how the kernel finds them."""
+        file, offset, nbytes = part.scale_span
+        at = align(start + part.nbytes)
+        if nbytes:
+            self.queue(file, offset, staging.view[at:at + nbytes])
+        scale = part.scale
+        dtype = getattr(torch, DTYPES[scale.entry.dtype][0])
+        return Dequant(at, dtype, nbytes // dtype.itemsize, part.first_element, part.scale_rows[0],
+                       scale.rows, scale.columns, scale.block, scale.grid)
 
     def flush(self) -> None:
         """Start reading the batch queued so far; copy out the batch read before it."""
@@ -238,7 +252,7 @@ class _Reader:
         if self.stream is None:
             scatter_cast(staging.host, segments, self.destinations)
             return
-        used = max(s.staging_offset + s.numel * s.src_dtype.itemsize for s in segments)
+        used = max(s.staged_end for s in segments)
         if staging.consumed is not None:
             # the kernel that read this device buffer two batches ago; the previous batch's kernel
             # (the other buffer) may still run while this copy does
@@ -273,7 +287,7 @@ def execute(files: FileTable, items: list[ReadItem], destinations: list[torch.Te
         by_device.setdefault(destinations[item.target].device, []).append(item)
     total = 0
     for device, group in by_device.items():
-        staged_total = sum(i.nbytes + ALIGN for i in group)  # an upper bound, alignment included
+        staged_total = sum(i.staged_nbytes + ALIGN for i in group)  # an upper bound, alignment included
         reader = _Reader(files, destinations, staging_bytes, staged_total, progress, threads, device)
         try:
             for item in sorted(group, key=lambda i: (i.file, i.offset)):
@@ -314,8 +328,6 @@ class RangeReader:
 
 def read_tensor(files: FileTable, entry) -> torch.Tensor:
     """The whole tensor ``entry`` (an ``index.TensorEntry``), for the conversion slow path."""
-    from .index import DTYPES
-
     out = torch.empty(entry.nbytes, dtype=torch.uint8)
     view, size = byte_view(out), entry.itemsize
     with RangeReader(files) as reader:

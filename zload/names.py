@@ -16,10 +16,11 @@ functions here read names and shapes only; nothing touches tensor data or proces
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from .index import CheckpointIndex, TensorEntry
+from .quantized import Quantization, Scale, pair_scales
 from .targets import Target
 
 KeyMap = Mapping[str, str] | Callable[[str], "str | None"]
@@ -27,12 +28,14 @@ KeyMap = Mapping[str, str] | Callable[[str], "str | None"]
 
 @dataclass(frozen=True)
 class Piece:
-    """``numel`` elements of ``entry`` from element ``src_offset`` go to element ``dst_offset``."""
+    """``numel`` elements of ``entry`` from element ``src_offset`` go to element ``dst_offset``,
+    dequantised by ``scale`` for an FP8 weight."""
 
     entry: TensorEntry
     src_offset: int
     dst_offset: int
     numel: int
+    scale: Scale | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class Source:
     pieces: tuple[Piece, ...] = ()
     # Slow path: given a reader ``entry -> torch.Tensor``, build the whole tensor.
     convert: Callable | None = field(default=None, compare=False)
+    scaled: bool = False  # built from FP8 weights that are dequantised by their scales
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -118,13 +122,17 @@ def align_prefix(unmatched: list[str], known: Mapping[str, int]) -> dict[str, st
 
 
 def match(index: CheckpointIndex, targets: list[Target], module=None,
-          key_map: KeyMap | None = None) -> Matching:
-    """Resolve every checkpoint tensor to the model tensor it feeds (see module docstring)."""
+          key_map: KeyMap | None = None, quantization: Quantization = Quantization()) -> Matching:
+    """Resolve every checkpoint tensor to the model tensor it feeds (see module docstring); the
+    scales of FP8 weights go with their weights' pieces (``quantization``: the checkpoint's config)."""
     # imported here, not above: the integrations build on this module's Piece and Source
     from .integrations.peft import add_peft_aliases, peft_info, required_by_role
     from .integrations.transformers import apply_conversion_mapping, transformers_model
 
-    renamed, problems = apply_key_map(sorted(index.tensors), key_map)
+    weights, scales, problems = pair_scales(index, quantization)
+    index = replace(index, tensors=weights)
+    renamed, key_problems = apply_key_map(sorted(index.tensors), key_map)
+    problems += key_problems
     lookup: dict[str, int] = {}  # every name a checkpoint may use for each target
     for i, target in enumerate(targets):
         for name in target.names:
@@ -162,4 +170,14 @@ def match(index: CheckpointIndex, targets: list[Target], module=None,
 
     required = None if peft_roles is None else required_by_role(peft_roles, sources)
     unexpected = sorted(set(index.tensors) - used)
+    for i, source in sources.items():
+        sources[i] = _with_scales(source, scales)
     return Matching(sources, unexpected, problems, required)
+
+
+def _with_scales(source: Source, scales: dict[str, Scale]) -> Source:
+    """``source`` with each FP8 piece's scale."""
+    if not any(e.name in scales for e in source.entries):
+        return source
+    pieces = tuple(replace(p, scale=scales.get(p.entry.name)) for p in source.pieces)
+    return replace(source, pieces=pieces, scaled=True)

@@ -11,6 +11,7 @@ from math import prod
 
 from .index import DTYPES, CheckpointIndex
 from .names import Matching, Source, match
+from .quantized import Scale
 from .report import shortened
 from .targets import ORPHAN, PARTITION, Target
 
@@ -36,13 +37,53 @@ class ReadItem:
     target: int  # index into LoadPlan.targets
     dst_offset: int
     numel: int
+    # An FP8 weight's read: its scales, and the index of its first element in the whole weight
+    # (which says which scale each element takes).
+    scale: Scale | None = None
+    first_element: int = 0
+
+    @property
+    def scale_rows(self) -> tuple[int, int]:
+        """The flat scale rows ``[low, high)`` its elements need (read along with it)."""
+        return self.scale.rows_for(self.first_element, self.numel)
+
+    @property
+    def scale_span(self) -> tuple[str, int, int]:
+        """(file, byte offset, byte count) of its scale rows."""
+        entry, (low, high) = self.scale.entry, self.scale_rows
+        width = self.scale.grid[1]
+        spans = entry.spans(low * width, (high - low) * width)
+        return (spans[0][0], spans[0][1], (high - low) * width * entry.itemsize) if spans \
+            else (entry.file, entry.start, 0)
+
+    @property
+    def staged_nbytes(self) -> int:
+        """Staging bytes it takes: its own, then (aligned) its scale rows."""
+        return align(self.nbytes) + self.scale_span[2] if self.scale else self.nbytes
+
+    def _part(self, first: int, count: int, itemsize: int) -> ReadItem:
+        return ReadItem(self.file, self.offset + first * itemsize, count * itemsize, self.src_dtype,
+                        self.target, self.dst_offset + first, count, self.scale, self.first_element + first)
 
     def split(self, max_bytes: int) -> list[ReadItem]:
-        """This read cut into element-aligned pieces of at most ``max_bytes``."""
+        """This read cut into element-aligned pieces of at most ``max_bytes`` (staged bytes, scale
+        rows included; one element at least)."""
         itemsize = self.nbytes // self.numel if self.numel else 1
-        return [ReadItem(self.file, self.offset + first * itemsize, count * itemsize, self.src_dtype,
-                         self.target, self.dst_offset + first, count)
-                for first, count in element_steps(self.numel, itemsize, max_bytes)]
+        if self.scale is None:
+            return [self._part(first, count, itemsize)
+                    for first, count in element_steps(self.numel, itemsize, max_bytes)]
+        parts, first = [], 0
+        while first < self.numel:
+            low, high = 1, self.numel - first  # the longest piece that fits, by bisection
+            while low < high:
+                middle = (low + high + 1) // 2
+                if self._part(first, middle, itemsize).staged_nbytes <= max_bytes:
+                    low = middle
+                else:
+                    high = middle - 1
+            parts.append(self._part(first, low, itemsize))
+            first += low
+        return parts
 
 
 @dataclass
@@ -104,7 +145,13 @@ def staging_batches(items: list, capacity: int) -> list[list[tuple[int, object]]
 
 
 def _compatibility_problem(target: Target, source: Source) -> str | None:
-    for entry in source.entries:
+    if source.scaled:
+        if target.dtype not in _FLOATING - {"float64"}:
+            return f"an FP8 weight dequantises into float32, bfloat16 or float16, not {target.dtype}"
+        if source.convert is not None:
+            return ("an FP8 weight converted by transformers beyond stacking and concatenation "
+                    "cannot be dequantised by zload; load a dequantised copy")
+    for entry in () if source.scaled else source.entries:
         src = DTYPES[entry.dtype][0]
         if src != target.dtype and not (src in _FLOATING and target.dtype in _FLOATING):
             return f"checkpoint dtype {entry.dtype} cannot be cast to the model's {target.dtype}"
@@ -130,9 +177,10 @@ def _reads(target: Target, index: int, source: Source) -> list[ReadItem]:
         if first >= last:
             continue
         entry, size = piece.entry, piece.entry.itemsize
-        for file, offset, skip, count in entry.spans(piece.src_offset + first - piece.dst_offset, last - first):
+        start = piece.src_offset + first - piece.dst_offset
+        for file, offset, skip, count in entry.spans(start, last - first):
             items.append(ReadItem(file, offset, count * size, DTYPES[entry.dtype][0], index,
-                                  first + skip - low, count))
+                                  first + skip - low, count, piece.scale, start + skip))
     return items
 
 

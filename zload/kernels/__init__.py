@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .torch_scatter import Segment, scatter_cast_torch
+from .torch_scatter import Dequant, Segment, scatter_cast_torch
 
 log = logging.getLogger("zload")
 
@@ -52,6 +52,7 @@ def scatter_cast(staging, segments, destinations) -> None:
     on different vector units and devices (float32 NaN -> bfloat16 is ``0xFFFF`` on AVX-512,
     ``0x7FC0`` in c10's scalar code; float16 NaN payloads differ between its vectorised and
     scalar loops), so only "is NaN" is preserved then. Copies without a dtype change keep every bit.
+    A segment with a ``Dequant`` is FP8 scaled on the way: ``(fp8.to(float32) * scale).to(dtype)``.
     """
     choice = backend()
     choice_forced = choice == "triton"
@@ -102,4 +103,4 @@ def _give_up_triton(error: BaseException) -> None:
                 _triton_broken)
 
 
-__all__ = ["Segment", "scatter_cast", "zero_segment"]
+__all__ = ["Dequant", "Segment", "scatter_cast", "zero_segment"]
