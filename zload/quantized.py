@@ -22,7 +22,9 @@ import os
 from dataclasses import dataclass
 from math import prod
 
-from .index import CheckpointIndex, TensorEntry
+from .errors import ZloadError
+from .files import FileTable, open_regular
+from .index import MAX_INDEX_BYTES, CheckpointIndex, TensorEntry, pread_exactly
 
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # appended to the weight's name
 DEFAULT_BLOCK = (128, 128)
@@ -77,10 +79,13 @@ def read_quantization(root: str) -> Quantization:
     path = os.path.join(root, CONFIG_FILE) if root else ""
     if not path or not os.path.isfile(path):
         return Quantization()
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
+    try:  # opened as a checkpoint file is: never a FIFO swapped in, never an unbounded read
+        with FileTable() as table:
+            opened = table.add(open_regular(path), CONFIG_FILE)
+            if opened.identity.size > MAX_INDEX_BYTES:
+                raise ValueError(f"{opened.identity.size} bytes, over the {MAX_INDEX_BYTES}-byte limit")
+            config = json.loads(pread_exactly(opened, opened.identity.size, 0).decode("utf-8"))
+    except (ZloadError, OSError, ValueError) as e:
         return Quantization(problem=f"{path}: cannot read its quantization_config: {e}")
     qc = config.get("quantization_config") if isinstance(config, dict) else None
     if not isinstance(qc, dict):
