@@ -1,4 +1,5 @@
-"""The cyclic garbage collector is paused during a load and restored after it, whatever happens."""
+"""The cyclic garbage collector is paused while a model builds and during a load, and restored after,
+whatever happens."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from torch import nn
 
 import zload
 from zload.collector import collector_paused
+
+from .harness import run_world
 
 
 @pytest.fixture
@@ -48,3 +51,25 @@ def test_load_into_runs_with_the_collector_paused(tmp_path, collector_enabled):
     zload.load_into(model, tmp_path, key_map=key_map)
     assert seen and not any(seen) and gc.isenabled()
     assert torch.equal(model.weight, torch.ones(2, 3))
+
+
+def _collector_while_building():
+    from .zero3 import DS_CONFIG
+
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            seen.append(gc.isenabled())
+            self.weight = nn.Parameter(torch.empty(4, 4))
+
+    gc.enable()
+    with zload.init(DS_CONFIG, dtype=torch.bfloat16):
+        Probe()
+    return seen, gc.isenabled()
+
+
+def test_init_builds_with_the_collector_paused():
+    """A full collection walks every live object; while a large model builds they are many."""
+    assert run_world(1, _collector_while_building) == [([False], True)]

@@ -200,6 +200,17 @@ def _engine_config(hpz: int, offload: bool) -> dict:
             "zero_optimization": zero}
 
 
+def _zero_state(model) -> dict:
+    """What DeepSpeed records on each parameter and its partition when it first partitions it."""
+    def of(p):
+        part = p.ds_tensor
+        return (tuple(p.ds_shape), p.ds_numel, p.ds_numel_aligned, p.ds_persist, p.ds_status,
+                p.ds_param_type, p.data.shape, p.data.device, p.dtype, p.requires_grad, part.dtype,
+                part.shape, part.device, part.is_pinned(), part.requires_grad, part.ds_numel,
+                part.status, part.final_location, getattr(p, "ds_secondary_tensor", None) is None)
+    return {name: of(p) for name, p in model.named_parameters()}
+
+
 def _trained(build_context, path, config):
     from deepspeed.utils import groups
     from transformers import LlamaForCausalLM
@@ -210,6 +221,7 @@ def _trained(build_context, path, config):
     model, made = _built(context, lambda: LlamaForCausalLM(models.tiny_llama_config(tie=True)))
     if build_context is zload.init:
         assert_no_full_parameter(model, made)
+    state = _zero_state(model)
     zload.load_into(model, path)
     loaded = gathered(dict(model.named_parameters()))
     engine, *_ = deepspeed.initialize(model=model, config=config,
@@ -218,7 +230,7 @@ def _trained(build_context, path, config):
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
-    return engine, loaded, loss.item()
+    return engine, loaded, loss.item(), state
 
 
 def _train_like_zero_init(path, hpz, offload, out):
@@ -226,9 +238,10 @@ def _train_like_zero_init(path, hpz, offload, out):
 
     config = _engine_config(hpz, offload)
     try:
-        engine, loaded, loss = _trained(zload.init, path, config)
-        reference, want_loaded, want_loss = _trained(
+        engine, loaded, loss, state = _trained(zload.init, path, config)
+        reference, want_loaded, want_loss, want_state = _trained(
             lambda config, **kwargs: deepspeed.zero.Init(config_dict_or_path=config, **kwargs), path, config)
+        assert state == want_state
         for name in want_loaded:
             assert_bit_equal(loaded[name], want_loaded[name], f"{name} after the load")
         assert loss == want_loss
