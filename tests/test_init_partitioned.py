@@ -349,6 +349,19 @@ class Nested(nn.Module):
         self.register_buffer("b", torch.ones(3))
 
 
+class CastsParameter(nn.Module):
+    """A weight its own ``__init__`` casts while the model builds in bf16: zero.Init's constructors
+    cast its partition back to bf16."""
+
+    config_dtype = torch.bfloat16
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.ones(6))
+        self.w.data = self.w.data.float()
+
+
 class MaskFromParameter(nn.Module):
     def __init__(self):
         super().__init__()
@@ -358,7 +371,7 @@ class MaskFromParameter(nn.Module):
 
 def _built_twice(cls, outer=None):
     """``cls()`` under zload.init and under zero.Init (inside ``outer``), from the same seed."""
-    config = dtype_config(torch.float32)
+    config = dtype_config(getattr(cls, "config_dtype", torch.float32))
     models = []
     for context in (lambda: zload.init(config), lambda: deepspeed.zero.Init(config_dict_or_path=config)):
         torch.manual_seed(3)
@@ -381,7 +394,8 @@ def _builds_like_zero_init(name, path, outer):
     for p_name, p in model.named_parameters():
         assert hasattr(p, "ds_id") and p.data.shape == (0,) and not p.is_meta, p_name
         want = reference.get_parameter(p_name)  # zero.Init leaves a replaced child parameter whole
-        assert p.ds_tensor.device == getattr(want, "ds_tensor", want).device, p_name
+        want_partition = getattr(want, "ds_tensor", want)
+        assert (p.ds_tensor.device, p.ds_tensor.dtype) == (want_partition.device, want_partition.dtype), p_name
     torch.manual_seed(4)  # the same file on every rank; each writes its own, so none waits for another
     path = f"{path}.{dist.get_rank()}"
     state = {key: torch.randn(getattr(p, "ds_shape", p.shape)) * 3 for key, p in reference.named_parameters()}
@@ -396,7 +410,8 @@ def _builds_like_zero_init(name, path, outer):
 
 @pytest.mark.parametrize("name,outer", [("InitialisedBuffers", None), ("DevicesOfOthers", None),
                                         ("GathersInInit", None), ("ReplacesChildParameter", None),
-                                        ("Nested", None), ("InitialisedBuffers", "zero.Init")])
+                                        ("Nested", None), ("InitialisedBuffers", "zero.Init"),
+                                        ("CastsParameter", None)])
 def test_modules_build_like_zero_init(tmp_path, name, outer):
     run_world(2, _builds_like_zero_init, name, str(tmp_path / "m.safetensors"), outer)
 

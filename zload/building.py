@@ -253,7 +253,8 @@ def _allocate_partition(zero_init, param) -> None:
     world = zero_init._partition_world_size(param)
     aligned = zero_init._aligned_size(param)
     device = zero_init.local_device if param.ds_persist else zero_init.remote_device
-    partition = zero_partitions._orig_torch_empty(aligned // world, dtype=param.dtype, device=device)
+    # the call DeepSpeed makes: inside zero.Init ``torch.empty`` casts a floating tensor to its dtype
+    partition = torch.empty(aligned // world, dtype=param.dtype, device=device)
     if device == OffloadDeviceEnum.cpu and zero_init.pin_memory:
         partition = get_accelerator().pin_memory(partition)
     partition.requires_grad = False
