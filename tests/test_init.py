@@ -82,13 +82,14 @@ def test_init_builds_without_broadcast_and_loads_everything(tmp_path, world):
         assert rank.error is None and not any("never loaded" in m for m in rank.messages)
 
 
-def test_strict_load_refuses_to_leave_init_parameters_unwritten(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])
+def test_strict_load_refuses_to_leave_init_parameters_unwritten(tmp_path, world):
     state = models.state_with_seed(models.ParamsOnly, seed=62)
     del state["b"]
     save_file(state, str(tmp_path / "m.safetensors"))
-    for strict in run_world(2, _init_then_load, str(tmp_path / "m.safetensors"), True):
+    for strict in run_world(world, _init_then_load, str(tmp_path / "m.safetensors"), True):
         assert "not in the checkpoint" in strict.error and strict.error.rstrip().endswith(": b"), strict.error
-    for lenient in run_world(2, _init_then_load, str(tmp_path / "m.safetensors"), False):
+    for lenient in run_world(world, _init_then_load, str(tmp_path / "m.safetensors"), False):
         assert lenient.error is None, lenient.error
         assert any("never loaded" in m and "b" in m for m in lenient.messages), lenient.messages
 
