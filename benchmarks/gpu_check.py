@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SHARD_SIZE = "100MB"  # benchmarks.load's default: the same checkpoint serves both
 
 
 def _sync(device: torch.device) -> None:
@@ -88,8 +89,8 @@ def single_rank_load(cache: Path, size: str, device: torch.device) -> dict:
     from benchmarks.load.methods import verify_partitions
 
     config = llama_config(parse_bytes(size))
-    folder = checkpoint_dir(str(cache), config, "2GB")
-    ensure_checkpoint(folder, config, "2GB")
+    folder = checkpoint_dir(str(cache), config, SHARD_SIZE)
+    ensure_checkpoint(folder, config, SHARD_SIZE)
     warm_page_cache(folder)
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"),
                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
@@ -112,8 +113,9 @@ def single_rank_load(cache: Path, size: str, device: torch.device) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="4GB")
-    parser.add_argument("--cache", default="/tmp/zload-gpu-check")
+    parser.add_argument("--size", default="2.4GB")
+    parser.add_argument("--cache", default=os.environ.get("ZLOAD_BENCH_CACHE", os.path.expanduser("~/.cache/zload-bench")),
+                        help="checkpoint cache, shared with benchmarks.load (same default)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: a smoke run of the same steps without a GPU")

@@ -262,3 +262,41 @@ def test_fp8_benchmark_prints_one_line_per_world_size(tmp_path):
     (line,) = [text for text in done.stdout.splitlines() if text.startswith("W=")]
     assert "FP8->bf16" in line and "bf16->bf16" in line and "GB/s" in line
     assert any(p.name.endswith("-fp8-128x128") for p in tmp_path.iterdir())
+
+
+def test_gpu_construction_targets_at_every_world_size():
+    """With partitions on the GPU (one GPU runs W=1 only): zload.init's GPU memory growth during
+    construction within its partitions + 64 MB in the worst run, and construct + load against
+    from_pretrained's whole call."""
+    init = {"total_s": 1.0, "partition_bytes": 1e9, "max_construct_gpu_growth": 1.05e9}
+    data = {"checkpoints": [{"size": "1GB"}], "staging_bytes": 64 << 20, "page_cache": "warm",
+            "results": [{"size": "1GB", "world": 1, "method": "zload+init", "median": init},
+                        {"size": "1GB", "world": 1, "method": "transformers", "median": {"total_s": 9.0}}]}
+    verdicts = dict(re.match(r"(.*): (MET|NOT MET) \(", t).groups() for t in evaluate_targets(data))
+    assert verdicts == {
+        "1GB W=1, GPU: zload.init GPU memory growth during construction <= this rank's partitions "
+        "(1,000 MB) + 64 MB": "MET",
+        "1GB W=1, GPU: zload.init + load_into >= 8x faster than from_pretrained under ZeRO-3": "MET"}
+    init["max_construct_gpu_growth"], data["results"][1]["median"]["total_s"] = 1.07e9, 7.0
+    assert set(dict(re.match(r"(.*): (MET|NOT MET) \(", t).groups()
+                    for t in evaluate_targets(data)).values()) == {"NOT MET"}
+
+
+def test_a_method_that_fails_leaves_the_others_measured(cache, tmp_path):
+    """Device time is scarce: a method whose world fails is noted and not run again, and the command
+    still measures and reports the others, then exits non-zero."""
+    hook = tmp_path / "hook"
+    hook.mkdir()  # every dcp worker dies as it starts (the workers inherit PYTHONPATH)
+    (hook / "sitecustomize.py").write_text("import os, sys\nif sys.argv[1:3] == ['--worker', 'dcp']: os._exit(3)\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run([sys.executable, "-m", "benchmarks.load", "--world", "1", "--size", SIZE, "--runs", "2",
+                           "--methods", "floor", "dcp", "--cache", cache, "--out", tmp_path, "--name", "fails"],
+                          cwd=REPO, text=True, capture_output=True, timeout=600,
+                          env={**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(hook)})
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "load-fails.json").read_text())
+    assert [(r["method"], len(r["runs"])) for r in data["results"]] == [("floor", 2)]
+    assert data["notes"] == [f"dcp at {SIZE} W=1 failed in run 1 (the end of its log is in this command's output) "
+                             "and was not run again"]
+    assert "dcp at world 1 failed (" in done.stdout and "| floor |" in (tmp_path / "load-fails.md").read_text()

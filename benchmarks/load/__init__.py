@@ -14,14 +14,15 @@ each world size, method and run, starts a fresh world of W ranks (so peak RSS is
   with ``os.preadv`` in 16 MiB blocks from 4 threads: the best time for the storage device to read the
   same files with large blocks and parallel readers.
 - ``alloc-floor``: each rank allocates (``torch.empty``) and touches (``fill_``) exactly its ZeRO-3
-  partitions, one tensor each, in the models' dtype: the floor for building a partitioned model.
+  partitions, one tensor each, in the models' dtype and where zload keeps them (the GPU where CUDA
+  is): the floor for building a partitioned model.
 - ``zload``: build the model under ``deepspeed.zero.Init`` (timed as construct), then
   ``zload.load_into`` (timed as load).
 - ``zload+init``: build under ``zload.init`` (no weight init, no broadcast), then ``load_into``.
 - ``dcp``: ``torch.distributed.checkpoint.load`` with its ``HuggingFaceStorageReader`` into one DTensor
-  per checkpoint tensor, sharded by rows (``Shard(0)``) over a CPU device mesh of the W ranks (in CPU
-  memory also where CUDA is); the local shards are allocated and touched before the load, which
-  alone is timed.
+  per checkpoint tensor, sharded by rows (``Shard(0)``) over a device mesh of the W ranks (their
+  GPUs where CUDA is, as zload's partitions, else the CPU); the local shards are allocated and
+  touched before the load, which alone is timed.
 - ``transformers``: ``LlamaForCausalLM.from_pretrained`` with a live ``HfDeepSpeedConfig`` (ZeRO-3):
   construct + load is the whole call, the load step is its ``_load_pretrained_model``.
 

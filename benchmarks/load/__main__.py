@@ -149,7 +149,7 @@ def main(argv=None) -> int:
                     raise SystemExit(f"world {w} for {label} is larger than the torchrun world ({coord.size})")
                 plan.append((label, folder, total, w))
 
-        results = []
+        results, failures = [], []
         for label, folder, total, w in plan:
             entries = {m: {"size": label, "checkpoint_bytes": total, "world": w, "method": m, "runs": []}
                        for m in methods}
@@ -164,8 +164,17 @@ def main(argv=None) -> int:
                         (evict_page_cache if args.cold else warm_page_cache)(folder)
                     if coord:
                         coord.barrier()
-                    ranks = (coord.measure(method, w, folder, args, log_path) if coord
-                             else measure_local(method, w, folder, args, log_path))
+                    if coord:
+                        ranks = coord.measure(method, w, folder, args, log_path)
+                    else:
+                        try:
+                            ranks = measure_local(method, w, folder, args, log_path)
+                        except RuntimeError as e:  # device time is scarce: the other methods still run
+                            log(str(e))
+                            failures.append(f"{method} at {label} W={w} failed in run {run + 1} (the end of its "
+                                            "log is in this command's output) and was not run again")
+                            runs_for[method] = run
+                            continue
                     if not lead:
                         continue
                     summary = summarize_run(ranks)
@@ -180,6 +189,8 @@ def main(argv=None) -> int:
                         f"growth in load {fmt_mb(summary['load_rss_growth'])} MB, "
                         f"read/rank {summary['bytes_read'] / MB:,.0f} MB, "
                         f"collectives/rank {summary['collective_received_total'] / MB:,.1f} MB"
+                        + (f", GPU growth in construct {fmt_mb(summary['construct_gpu_growth'])} MB"
+                           if "construct_gpu_growth" in summary else "")
                         + (", verified" if summary["verified"] else ""))
             for method in methods:
                 if lead and entries[method]["runs"]:
@@ -210,7 +221,7 @@ def main(argv=None) -> int:
             "checkpoints": checkpoints,
             "results": results,
             "seconds": round(time.perf_counter() - started, 1),
-            "notes": notes,
+            "notes": notes + failures,
         }
         data["targets"] = evaluate_targets(data)
         name = args.name or default_name()
@@ -223,7 +234,7 @@ def main(argv=None) -> int:
         print(markdown(data))
         if coord:
             coord.barrier()
-        return 0
+        return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -137,14 +137,22 @@ def partition_bytes(folder: str, dtype) -> int:
     return sum(ps for _, _, ps, _, _ in rank_partitions(folder)) * torch.empty(0, dtype=dtype).element_size()
 
 
+def partition_device() -> str:
+    """Where the measured worlds keep partitions: this rank's GPU where CUDA is, else CPU memory."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def alloc_floor(folder: str, meter, args) -> dict:
     import torch
 
     dtype = getattr(torch, args.model_dtype)
     sizes = [ps for _, _, ps, _, _ in rank_partitions(folder)]
+    device = partition_device()
     meter.begin("total")
     meter.begin("construct")
-    partitions = [torch.empty(ps, dtype=dtype).fill_(0) for ps in sizes]
+    partitions = [torch.empty(ps, dtype=dtype, device=device).fill_(0) for ps in sizes]
     meter.end("construct")
     meter.end("total")
     return {"bytes_read": 0, "verified": None, "tensors": len(partitions)}
@@ -227,7 +235,8 @@ def ceiling(folder: str, meter, args) -> dict:
 
 def dcp_state_dict(folder: str) -> dict:
     """One DTensor per checkpoint tensor, in its dtype, sharded by rows (``Shard(0)``, as
-    ``torch.chunk`` splits them) over the world's ranks on the CPU; the local shards touched."""
+    ``torch.chunk`` splits them) over the world's ranks, on their GPUs where CUDA is (as zload's
+    partitions), else on the CPU; the local shards touched."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -236,7 +245,7 @@ def dcp_state_dict(folder: str) -> dict:
     from zload import open_checkpoint
     from zload.index import DTYPES
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(partition_device(), (dist.get_world_size(),))
     with open_checkpoint(folder) as index:
         entries = index.tensors
     state_dict = {name: empty(e.shape, dtype=getattr(torch, DTYPES[e.dtype][0]), device_mesh=mesh,
@@ -261,7 +270,7 @@ def verify_row_shards(state_dict: dict, folder: str) -> dict:
             return f"local shard {tuple(local.shape)}, expected {rows} rows"
         row_bytes = e.nbytes // e.shape[0]
         want = read(e, first * row_bytes, rows * row_bytes)
-        got = local.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        got = local.reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes()
         return None if got == want else "local shard differs from the checkpoint"
 
     return check_against_checkpoint(state_dict, folder, shard_problem)

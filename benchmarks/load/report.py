@@ -84,7 +84,7 @@ def summarize(entry: dict) -> None:
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             med[key] = statistics.median(values)
-    for key in ("load_rss_growth", "construct_rss_growth", "total_rss_growth"):  # worst run, for targets
+    for key in ("load_rss_growth", "construct_rss_growth", "total_rss_growth", "construct_gpu_growth"):  # worst run
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             med[f"max_{key}"] = max(values)
@@ -326,6 +326,8 @@ def write_outputs(data: dict, stem: str) -> str:
     failure after the measurements: ``--render STEM.json`` draws it elsewhere."""
     with open(stem + ".md", "w") as f:
         f.write(f"`{data['command']}`\n\n" + markdown(data))
+    if not data["results"]:  # every method failed: the notes say why
+        return ".md"
     try:
         import matplotlib  # noqa: F401
     except ImportError:

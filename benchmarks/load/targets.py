@@ -56,7 +56,7 @@ def evaluate_targets(data: dict) -> list[str]:
                        f"({parts / MB:,.0f} MB) + staging + 64 MB = {(parts + limit) / MB:,.0f} MB: "
                        f"{'MET' if worst <= parts + limit else 'NOT MET'} (worst rank of the worst run "
                        f"{worst / MB:,.1f} MB)")
-    return out + _dcp_and_ceiling_targets(data, by_key)
+    return out + _gpu_construction_targets(by_key) + _dcp_and_ceiling_targets(data, by_key)
 
 
 def _construction_targets(size, init, alloc, floor, transformers) -> list[str]:
@@ -80,6 +80,29 @@ def _construction_targets(size, init, alloc, floor, transformers) -> list[str]:
     out.append(f"{size}: zload.init RSS growth during construction <= this rank's partitions "
                f"({init['partition_bytes'] / MB:,.0f} MB) + 64 MB: {met(worst <= limit)} (worst rank of "
                f"the worst run {worst / MB:,.1f} MB)")
+    return out
+
+
+def _gpu_construction_targets(by_key: dict) -> list[str]:
+    """zload.init with partitions on the GPU, at every world size measured (one GPU runs W=1 only):
+    GPU memory allocated during construction within this rank's partitions + 64 MB, and construct +
+    load against from_pretrained's whole call."""
+    out = []
+    for (size, world, method), entry in by_key.items():
+        init = entry["median"]
+        if method != "zload+init" or "max_construct_gpu_growth" not in init:
+            continue
+        label = f"{size} W={world}, GPU"
+        worst, parts = init["max_construct_gpu_growth"], init["partition_bytes"]
+        out.append(f"{label}: zload.init GPU memory growth during construction <= this rank's partitions "
+                   f"({parts / MB:,.0f} MB) + 64 MB: {met(worst <= parts + SLACK)} (worst run "
+                   f"{worst / MB:,.1f} MB)")
+        transformers = by_key.get((size, world, "transformers"))
+        if transformers:
+            ratio = transformers["median"]["total_s"] / init["total_s"]
+            out.append(f"{label}: zload.init + load_into >= 8x faster than from_pretrained under ZeRO-3: "
+                       f"{met(ratio >= 8)} ({fmt_s(transformers['median']['total_s'])} s vs "
+                       f"{fmt_s(init['total_s'])} s = {ratio:.1f}x)")
     return out
 
 
