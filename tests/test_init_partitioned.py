@@ -185,9 +185,9 @@ def transformers_checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["bert", "llama", "mixtral", "t5", "ved"])
-@pytest.mark.parametrize("through_auto", [False, True])
-def test_transformers_models_build_like_zero_init(transformers_checkpoints, kind, through_auto):
-    counts = run_world(2, _build_like_zero_init, kind, through_auto, transformers_checkpoints[kind])
+@pytest.mark.parametrize("through_auto,world", [(False, 2), (True, 3)])  # each model at two world sizes
+def test_transformers_models_build_like_zero_init(transformers_checkpoints, kind, through_auto, world):
+    counts = run_world(world, _build_like_zero_init, kind, through_auto, transformers_checkpoints[kind])
     assert counts[0] > 0 and len(set(counts)) == 1
 
 
