@@ -104,6 +104,45 @@ def test_no_rank_allocates_a_full_parameter(world):
         assert largest.by_init <= largest.partition < 1500, largest
 
 
+class _Writes(TorchDispatchMode):
+    """The storage size (bytes) of every tensor an in-place operator writes while active."""
+
+    def __init__(self):
+        import torch._dynamo  # noqa: F401 - as in _Allocations
+
+        super().__init__()
+        self.written = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
+            self.written.append(args[0].untyped_storage().nbytes())
+        return func(*args, **(kwargs or {}))
+
+
+class LargeAndSmall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.large = nn.Embedding(1100, 1024)  # 2.2 MB in bf16: 1.1 MB a rank at W=2
+        self.small = nn.Linear(8, 8)
+
+
+def _large_partitions_written_while_building():
+    with _Writes() as seen, zload.init(dtype_config(torch.bfloat16)):
+        model = LargeAndSmall()
+    large, small = model.large.weight.ds_tensor, model.small.weight.ds_tensor
+    assert large.nbytes >= zload.building.FRESH_PAGES_FROM > small.nbytes
+    assert not large.any() and not small.any()
+    return [n for n in seen.written if n >= large.nbytes], [n for n in seen.written if n == small.nbytes]
+
+
+def test_large_cpu_partitions_come_zeroed_and_are_not_written_while_building():
+    """A partition of 1 MiB or more in plain CPU memory is mapped on pages the kernel zeroed, so
+    building writes no zeros over it (a second pass over every byte of the model); a small one is
+    still zeroed by a write."""
+    for large, small in run_world(2, _large_partitions_written_while_building):
+        assert large == [] and small, (large, small)
+
+
 def _buffers_and_layout(model):
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     layout = {n: (tuple(p.ds_shape), p.ds_tensor.dtype, p.ds_tensor.numel(), p.requires_grad)
@@ -233,10 +272,15 @@ def _trained(build_context, path, config):
     return engine, loaded, loss.item(), state
 
 
-def _train_like_zero_init(path, hpz, offload, out):
+def _train_like_zero_init(path, hpz, offload, out, fresh_pages_from):
+    config = _engine_config(hpz, offload)
+    with mock.patch.object(zload.building, "FRESH_PAGES_FROM", fresh_pages_from):
+        return _train_and_save(path, config, out)
+
+
+def _train_and_save(path, config, out):
     from deepspeed.utils import groups
 
-    config = _engine_config(hpz, offload)
     try:
         engine, loaded, loss, state = _trained(zload.init, path, config)
         reference, want_loaded, want_loss, want_state = _trained(
@@ -255,17 +299,20 @@ def _train_like_zero_init(path, hpz, offload, out):
     return len(after)
 
 
-@pytest.mark.parametrize("world,hpz,offload", [(1, 1, False), (2, 2, False), (3, 1, True), (4, 2, False)])
-def test_trains_and_saves_like_zero_init(tmp_path, world, hpz, offload):
+@pytest.mark.parametrize("world,hpz,offload,fresh_pages_from", [
+    (1, 1, False, zload.building.FRESH_PAGES_FROM), (2, 2, False, zload.building.FRESH_PAGES_FROM),
+    (3, 1, True, 0), (4, 2, False, zload.building.FRESH_PAGES_FROM)])
+def test_trains_and_saves_like_zero_init(tmp_path, world, hpz, offload, fresh_pages_from):
     """deepspeed.initialize with an optimizer, a step, GatheredParameters and zload.save, with
-    persistent parameters, hpZ, and parameters and optimizer offloaded to host memory."""
+    persistent parameters, hpZ, and parameters and optimizer offloaded to host memory; at W=3 every
+    partition is on pages mapped zeroed (``FRESH_PAGES_FROM`` is 1 MiB, above this model's)."""
     pytest.importorskip("transformers")
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(9)
     model = LlamaForCausalLM(models.tiny_llama_config(tie=True))
     model.save_pretrained(tmp_path / "ckpt")
-    run_world(world, _train_like_zero_init, str(tmp_path / "ckpt"), hpz, offload, str(tmp_path))
+    run_world(world, _train_like_zero_init, str(tmp_path / "ckpt"), hpz, offload, str(tmp_path), fresh_pages_from)
     saved, want = load_file(tmp_path / "init/model.safetensors"), load_file(tmp_path / "zero-init/model.safetensors")
     assert saved.keys() == want.keys()
     for name in want:
