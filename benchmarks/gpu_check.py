@@ -45,7 +45,8 @@ def kernel_check(device: torch.device, seed: int = 0) -> dict[str, bool]:
             values = torch.randn(1 << 20, generator=gen).to(src)
             values[:4] = torch.tensor([float("inf"), -0.0, 1e-40, 7e4]).to(src)
             staging = values.view(torch.uint8).to(device)
-            dests = [torch.full((n,), 3.0, dtype=dst, device=device) for n in (1, 7, 4096, 300_001)]
+            largest = 300_001 if device.type == "cuda" else 5_003  # Triton's interpreter is slow
+            dests = [torch.full((n,), 3.0, dtype=dst, device=device) for n in (1, 7, 4096, largest)]
             segments, offset = [], 0
             for d, t in enumerate(dests):
                 count = t.numel() - (d % 2)
