@@ -233,7 +233,9 @@ def test_transformers_models_build_like_zero_init(transformers_checkpoints, kind
 def _engine_config(hpz: int, offload: bool) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 30, "zero_hpz_partition_size": hpz}
     if offload:
-        zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+        # unpinned, so that its partitions are plain host memory (pinning is DeepSpeed's default; it
+        # does nothing on the CPU accelerator but would take zload.init's torch.empty path)
+        zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu", "pin_memory": False})
     return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
             "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
             "zero_optimization": zero}

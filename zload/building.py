@@ -271,7 +271,7 @@ def _allocate_partition(zero_init, param) -> bool:
     pinned = device == OffloadDeviceEnum.cpu and zero_init.pin_memory
     # the call DeepSpeed makes: inside zero.Init ``torch.empty`` casts a floating tensor to its dtype
     partition = torch.empty(aligned // world, dtype=param.dtype, device=device)
-    zeroed = (not pinned and partition.device.type == "cpu" and partition.nbytes >= FRESH_PAGES_FROM
+    zeroed = (not pinned and partition.device.type == "cpu" and 0 < partition.nbytes >= FRESH_PAGES_FROM
               and hasattr(mmap, "MAP_ANONYMOUS"))  # not on Windows
     if zeroed:  # the same tensor on zeroed pages (torch.empty's were never touched: freeing them is cheap)
         partition = _fresh_zeroed(partition.numel(), partition.dtype)
