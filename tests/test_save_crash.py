@@ -162,18 +162,22 @@ def _assert_only(out: Path, state: dict[str, torch.Tensor], others: dict[str, by
     assert not list(out.glob(".zload-save-*"))
 
 
-# (CRASH_AT, rank killed, world size, shared_filesystem); see tests/save_crash_rank.py
+# (CRASH_AT, rank killed, world size, shared_filesystem, what OUT held before); see
+# tests/save_crash_rank.py. Until "publish" nothing of OUT is touched, so one earlier state per
+# point (all three among them) is enough; from there on, where files move into OUT, every state.
+PREVIOUS = ("none", "single", "sharded")
 KILLS = [
-    ("plan", 1, 2, None),        # planning: nothing created yet
-    ("create", 0, 2, None),      # the staging folder and its empty shards exist
-    ("write", 0, 2, None),       # rank 0 wrote one chunk
-    ("write", 2, 3, None),       # the last rank wrote one chunk, the others go on writing
-    ("send", 1, 3, False),       # no shared filesystem: a rank dies streaming its slices to rank 0
+    ("plan", 1, 2, None, "single"),       # planning: nothing created yet
+    ("create", 0, 2, None, "none"),       # the staging folder and its empty shards exist
+    ("write", 0, 2, None, "sharded"),     # rank 0 wrote one chunk
+    ("write", 2, 3, None, "single"),      # the last rank wrote one chunk, the others go on writing
+    ("send", 1, 3, False, "sharded"),     # no shared filesystem: a rank dies streaming its slices to rank 0
+] + [(*kill, previous) for kill in [
     ("publish", 0, 3, None),     # every file written and digested, nothing moved into OUT yet
     ("moved", 0, 2, None),       # the new shards are in OUT, unlisted; the old index still rules
     ("committed", 0, 2, None),   # the new index is in place; stale files not removed yet
     ("finish", 0, 2, None),      # stale files removed; the staging folder is still there
-]
+] for previous in PREVIOUS]
 AFTER_COMMIT = {"committed", "finish"}
 # what a survivor's error says about OUT, by the step it was in when the peer died
 STATE_LEFT = dict.fromkeys(["plan"], "Nothing was written") | dict.fromkeys(
@@ -181,9 +185,8 @@ STATE_LEFT = dict.fromkeys(["plan"], "Nothing was written") | dict.fromkeys(
     ["publish", "moved", "committed", "finish"], "holds the old or the new checkpoint, never a mix")
 
 
-@pytest.mark.parametrize("previous", ["none", "single", "sharded"])
-@pytest.mark.parametrize("crash_at,crash_rank,world,shared", KILLS,
-                         ids=[f"{k[0]}-rank{k[1]}-of-{k[2]}" for k in KILLS])
+@pytest.mark.parametrize("crash_at,crash_rank,world,shared,previous", KILLS,
+                         ids=[f"{k[0]}-rank{k[1]}-of-{k[2]}-{k[4]}" for k in KILLS])
 def test_a_killed_save_leaves_a_whole_checkpoint_and_nothing_the_next_save_keeps(
         tmp_path, source, crash_at, crash_rank, world, shared, previous):
     out = tmp_path / "ckpt" / "out"
