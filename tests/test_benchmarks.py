@@ -298,3 +298,22 @@ def test_gpu_construction_targets_at_every_world_size():
     init["max_construct_gpu_growth"], data["results"][1]["median"]["total_s"] = 1.07e9, 7.0
     assert set(dict(re.match(r"(.*): (MET|NOT MET) \(", t).groups()
                     for t in evaluate_targets(data)).values()) == {"NOT MET"}
+
+
+def test_construction_targets_without_the_zero_init_method():
+    """A run of zload.init against the floors and from_pretrained alone (no zero.Init + zload)
+    is judged on every construction target."""
+    init = {"construct_s": 1.4, "total_s": 2.0, "partition_bytes": 1e9, "max_construct_rss_growth": 1.05e9,
+            "max_total_rss_growth": 1.06e9}
+    medians = {"zload+init": init, "alloc-floor": {"construct_s": 1.0}, "floor": {"load_s": 0.5},
+               "transformers": {"total_s": 17.0}}
+    data = {"checkpoints": [{"size": "1GB"}], "staging_bytes": 64 << 20, "page_cache": "warm",
+            "results": [{"size": "1GB", "world": 2, "method": m, "median": v} for m, v in medians.items()]}
+    verdicts = dict(re.match(r"(.*): (MET|NOT MET) \(", t).groups() for t in evaluate_targets(data))
+    assert verdicts == {
+        "1GB: zload.init construction <= 1.5x the allocation floor": "MET",
+        "1GB: zload.init + load_into <= 2.5x (I/O floor + allocation floor)": "MET",
+        "1GB: zload.init + load_into >= 8x faster than from_pretrained under ZeRO-3": "MET",
+        "1GB: zload.init RSS growth during construction <= this rank's partitions (1,000 MB) + 64 MB": "MET",
+        "1GB: zload+init RSS growth over construct + load <= this rank's partitions (1,000 MB) + staging "
+        "+ 64 MB = 1,131 MB": "MET"}

@@ -248,7 +248,10 @@ def _fresh_zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor on newly mapped anonymous pages, which the kernel hands out zeroed and maps in
     with one call (``MAP_POPULATE``; elsewhere than Linux, at the first write). ``torch.empty``
     may hand back memory that held other data, which then needs a second pass writing zeros: a
-    tenth of a second per 600 MB here. The pages go with the last tensor on them."""
+    tenth of a second per 600 MB here. The pages go with the last tensor on them. Their storage
+    cannot grow (``resize_`` raises; DeepSpeed never resizes a partition, it replaces its
+    ``data``). A process that has just freed much memory would refill it faster through
+    ``torch.empty``; a model is usually built before anything large was freed."""
     populate = getattr(mmap, "MAP_POPULATE", 0)
     pages = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
     return torch.frombuffer(pages, dtype=dtype, count=numel)

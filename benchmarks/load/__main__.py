@@ -73,7 +73,8 @@ def parse_args(argv=None):
                    help="empty the page cache of the checkpoint before every measurement (drop_caches as "
                         "root, else posix_fadvise DONTNEED), instead of reading it in")
     p.add_argument("--render", metavar="JSON",
-                   help="only rewrite the .md and .png next to an existing results JSON")
+                   help="only judge the targets again (kept in the JSON) and rewrite the .md and .png "
+                        "of an existing results JSON")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     p.add_argument("--result-dir", help=argparse.SUPPRESS)
@@ -90,6 +91,9 @@ def main(argv=None) -> int:
     if args.render:
         with open(args.render) as f:
             data = json.load(f)
+        data["targets"] = evaluate_targets(data)
+        with open(args.render, "w") as f:
+            json.dump(data, f, indent=1)
         write_outputs(data, os.path.splitext(args.render)[0])
         return 0
     import zload

@@ -16,40 +16,13 @@ def evaluate_targets(data: dict) -> list[str]:
     limit = data["staging_bytes"] + SLACK
     by_key = {(e["size"], e["world"], e["method"]): e for e in data["results"]}
     for size in [s["size"] for s in data["checkpoints"]]:
-        z = by_key.get((size, 2, "zload"))
-        if not z:
-            continue
-        zi = by_key.get((size, 2, "zload+init"))
-        t = by_key.get((size, 2, "transformers"))
-        f = by_key.get((size, 2, "floor"))
-        zl = z["median"]["load_s"]
-        if t:
-            ratio = t["median"]["load_s"] / zl
-            ratio_total = t["median"]["total_s"] / z["median"]["total_s"]
-            extra = ""
-            if zi:
-                extra = (f"; from_pretrained {fmt_s(t['median']['total_s'])} s vs zload.init + load_into "
-                         f"{fmt_s(zi['median']['total_s'])} s = "
-                         f"{t['median']['total_s'] / zi['median']['total_s']:.1f}x")
-            out.append(f"{size}: zload load >= 5x faster than transformers' load step: "
-                       f"{'MET' if ratio >= 5 else 'NOT MET'} ({fmt_s(t['median']['load_s'])} s vs {fmt_s(zl)} s = "
-                       f"{ratio:.1f}x; construct + load: from_pretrained vs zero.Init + load_into "
-                       f"{ratio_total:.1f}x{extra})")
-        if f:
-            ratio = zl / f["median"]["load_s"]
-            again = z["median"].get("reload_s")
-            again = (f"; diagnostic: a second load_into in the same process {fmt_s(again)} s = "
-                     f"{again / f['median']['load_s']:.2f}x the floor") if again else ""
-            out.append(f"{size}: zload load within 1.3x of the I/O floor: "
-                       f"{'MET' if ratio <= 1.3 else 'NOT MET'} ({fmt_s(zl)} s vs {fmt_s(f['median']['load_s'])} s"
-                       f" = {ratio:.2f}x{again})")
-        a = by_key.get((size, 2, "alloc-floor"))
-        if zi and a:
+        z, zi, t, f, a = (by_key.get((size, 2, method)) for method in
+                          ("zload", "zload+init", "transformers", "floor", "alloc-floor"))
+        if z:
+            out += _load_targets(size, z["median"], zi and zi["median"], t and t["median"],
+                                 f and f["median"], data["staging_bytes"])
+        if zi and a:  # judged whether or not zero.Init + zload ran beside them
             out += _construction_targets(size, zi["median"], a["median"], f and f["median"], t and t["median"])
-        worst = z["median"]["max_load_rss_growth"]
-        out.append(f"{size}: zload RSS growth during the load <= staging "
-                   f"({data['staging_bytes'] / 2**20:.0f} MiB) + 64 MB = {limit / MB:.0f} MB: "
-                   f"{'MET' if worst <= limit else 'NOT MET'} (worst rank of the worst run {worst / MB:.1f} MB)")
         if zi:  # zload.init's partitions are first touched by the load's writes: count them once
             worst, parts = zi["median"]["max_total_rss_growth"], zi["median"]["partition_bytes"]
             out.append(f"{size}: zload+init RSS growth over construct + load <= this rank's partitions "
@@ -57,6 +30,36 @@ def evaluate_targets(data: dict) -> list[str]:
                        f"{'MET' if worst <= parts + limit else 'NOT MET'} (worst rank of the worst run "
                        f"{worst / MB:,.1f} MB)")
     return out + _gpu_construction_targets(by_key) + _dcp_and_ceiling_targets(data, by_key)
+
+
+def _load_targets(size, z, init, transformers, floor, staging: int) -> list[str]:
+    """zload's load (into a zero.Init model) against transformers' load step and the I/O floor,
+    and its memory."""
+    out, limit = [], staging + SLACK
+    zl = z["load_s"]
+    if transformers:
+        ratio = transformers["load_s"] / zl
+        ratio_total = transformers["total_s"] / z["total_s"]
+        extra = ""
+        if init:
+            extra = (f"; from_pretrained {fmt_s(transformers['total_s'])} s vs zload.init + load_into "
+                     f"{fmt_s(init['total_s'])} s = {transformers['total_s'] / init['total_s']:.1f}x")
+        out.append(f"{size}: zload load >= 5x faster than transformers' load step: "
+                   f"{met(ratio >= 5)} ({fmt_s(transformers['load_s'])} s vs {fmt_s(zl)} s = "
+                   f"{ratio:.1f}x; construct + load: from_pretrained vs zero.Init + load_into "
+                   f"{ratio_total:.1f}x{extra})")
+    if floor:
+        ratio = zl / floor["load_s"]
+        again = z.get("reload_s")
+        again = (f"; diagnostic: a second load_into in the same process {fmt_s(again)} s = "
+                 f"{again / floor['load_s']:.2f}x the floor") if again else ""
+        out.append(f"{size}: zload load within 1.3x of the I/O floor: "
+                   f"{met(ratio <= 1.3)} ({fmt_s(zl)} s vs {fmt_s(floor['load_s'])} s = {ratio:.2f}x{again})")
+    worst = z["max_load_rss_growth"]
+    out.append(f"{size}: zload RSS growth during the load <= staging "
+               f"({staging / 2**20:.0f} MiB) + 64 MB = {limit / MB:.0f} MB: "
+               f"{met(worst <= limit)} (worst rank of the worst run {worst / MB:.1f} MB)")
+    return out
 
 
 def _construction_targets(size, init, alloc, floor, transformers) -> list[str]:
