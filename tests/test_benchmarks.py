@@ -317,3 +317,6 @@ def test_construction_targets_without_the_zero_init_method():
         "1GB: zload.init RSS growth during construction <= this rank's partitions (1,000 MB) + 64 MB": "MET",
         "1GB: zload+init RSS growth over construct + load <= this rank's partitions (1,000 MB) + staging "
         "+ 64 MB = 1,131 MB": "MET"}
+    init["construct_s"] = 1.6
+    assert "1GB: zload.init construction <= 1.5x the allocation floor: NOT MET (1.60 s vs 1.00 s = 1.60x)" \
+        in evaluate_targets(data)

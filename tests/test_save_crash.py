@@ -163,14 +163,16 @@ def _assert_only(out: Path, state: dict[str, torch.Tensor], others: dict[str, by
 
 
 # (CRASH_AT, rank killed, world size, shared_filesystem, what OUT held before); see
-# tests/save_crash_rank.py. Until "publish" nothing of OUT is touched, so one earlier state per
-# point (all three among them) is enough; from there on, where files move into OUT, every state.
+# tests/save_crash_rank.py. Until "publish" no file a reader of OUT uses is touched (OUT may be
+# created, and holds the staging folder), so one earlier state per point is enough, all three
+# among them and "none" where rank 0 survives to clean up; from "publish" on, where files move
+# into OUT, every state.
 PREVIOUS = ("none", "single", "sharded")
 KILLS = [
-    ("plan", 1, 2, None, "single"),       # planning: nothing created yet
-    ("create", 0, 2, None, "none"),       # the staging folder and its empty shards exist
+    ("plan", 1, 2, None, "none"),         # planning: nothing created yet
+    ("create", 0, 2, None, "single"),     # the staging folder and its empty shards exist
     ("write", 0, 2, None, "sharded"),     # rank 0 wrote one chunk
-    ("write", 2, 3, None, "single"),      # the last rank wrote one chunk, the others go on writing
+    ("write", 2, 3, None, "none"),        # the last rank wrote one chunk, the others go on writing
     ("send", 1, 3, False, "sharded"),     # no shared filesystem: a rank dies streaming its slices to rank 0
 ] + [(*kill, previous) for kill in [
     ("publish", 0, 3, None),     # every file written and digested, nothing moved into OUT yet

@@ -91,9 +91,14 @@ def main(argv=None) -> int:
     if args.render:
         with open(args.render) as f:
             data = json.load(f)
-        data["targets"] = evaluate_targets(data)
-        with open(args.render, "w") as f:
-            json.dump(data, f, indent=1)
+        judged = evaluate_targets(data)
+        if judged != data.get("targets"):  # the rules changed since the run: say so, keep the file whole
+            data["targets"] = judged
+            data.setdefault("notes", []).append(
+                f"targets judged again by --render (benchmarks of commit {host_info().get('zload_commit', '?')})")
+            with open(args.render + ".tmp", "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(args.render + ".tmp", args.render)
         write_outputs(data, os.path.splitext(args.render)[0])
         return 0
     import zload
