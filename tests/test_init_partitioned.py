@@ -411,6 +411,40 @@ class CastsParameter(nn.Module):
         self.w.data = self.w.data.float()
 
 
+# Not a module that broke zload.init: a guard that DeepSpeed's fp32 buffers (keep_in_fp32.py), which
+# it applies at the end of each module's __init__, come out as under zero.Init.
+
+class _Router(nn.Module):
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]  # on the class, as transformers does
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(4, 3)
+        self.register_buffer("e_score_correction_bias", torch.full((3,), 7.003))
+
+
+class _NamesItsOwn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._keep_in_fp32_modules_strict = ["scale"]  # on the instance
+        self.register_buffer("scale", torch.full((2,), 1.001))
+        self.register_buffer("other", torch.full((2,), 1.001))
+
+
+class KeepsBuffersInFp32(nn.Module):
+    """Buffers that submodules name for fp32 on their class (as DeepSeek-V3's routing bias) or on
+    the instance, which DeepSpeed keeps in fp32 while the rest builds in bf16; a buffer of such a
+    name elsewhere stays bf16."""
+
+    config_dtype = torch.bfloat16
+
+    def __init__(self):
+        super().__init__()
+        self.router = _Router()
+        self.block = nn.Sequential(nn.Linear(4, 4), _NamesItsOwn())
+        self.register_buffer("scale", torch.full((2,), 1.001))
+
+
 class MaskFromParameter(nn.Module):
     def __init__(self):
         super().__init__()
@@ -460,7 +494,7 @@ def _builds_like_zero_init(name, path, outer):
 @pytest.mark.parametrize("name,outer", [("InitialisedBuffers", None), ("DevicesOfOthers", None),
                                         ("GathersInInit", None), ("ReplacesChildParameter", None),
                                         ("Nested", None), ("InitialisedBuffers", "zero.Init"),
-                                        ("CastsParameter", None)])
+                                        ("CastsParameter", None), ("KeepsBuffersInFp32", None)])
 def test_modules_build_like_zero_init(tmp_path, name, outer):
     run_world(2, _builds_like_zero_init, name, str(tmp_path / "m.safetensors"), outer)
 
