@@ -250,8 +250,8 @@ def _fresh_zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
     may hand back memory that held other data, which then needs a second pass writing zeros: a
     tenth of a second per 600 MB here. The pages go with the last tensor on them. Their storage
     cannot grow (``resize_`` raises; DeepSpeed never resizes a partition, it replaces its
-    ``data``). A process that has just freed much memory would refill it faster through
-    ``torch.empty``; a model is usually built before anything large was freed."""
+    ``data``). In a process that has just freed much memory, ``torch.empty`` could reuse it and
+    zeroing it would be quicker than faulting in new pages; this path does not look for that."""
     populate = getattr(mmap, "MAP_POPULATE", 0)
     pages = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
     return torch.frombuffer(pages, dtype=dtype, count=numel)
@@ -274,8 +274,8 @@ def _allocate_partition(zero_init, param) -> bool:
     pinned = device == OffloadDeviceEnum.cpu and zero_init.pin_memory
     # the call DeepSpeed makes: inside zero.Init ``torch.empty`` casts a floating tensor to its dtype
     partition = torch.empty(aligned // world, dtype=param.dtype, device=device)
-    zeroed = (not pinned and partition.device.type == "cpu" and 0 < partition.nbytes >= FRESH_PAGES_FROM
-              and hasattr(mmap, "MAP_ANONYMOUS"))  # not on Windows
+    zeroed = (not pinned and partition.device.type == "cpu" and partition.nbytes >= max(FRESH_PAGES_FROM, 1)
+              and hasattr(mmap, "MAP_ANONYMOUS"))  # a mapping is never empty; none on Windows
     if zeroed:  # the same tensor on zeroed pages (torch.empty's were never touched: freeing them is cheap)
         partition = _fresh_zeroed(partition.numel(), partition.dtype)
     if pinned:
