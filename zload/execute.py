@@ -7,10 +7,10 @@ and there are no more of them than this rank's share of the CPUs, since reads fr
 are memory copies that more threads than cores only slow down. A rank with one reader thread
 hints the runs the page cache lacks to the kernel (``pagecache.ReadAhead``), up to
 ``READ_AHEAD_BYTES`` ahead of its reads, so that a cold load keeps the storage device busy; a warm
-one gives no hints. A range whose destination is
-a CPU tensor of the same dtype is read straight into the destination; the others land in one of
-two staging buffers and are copied (and cast) by ``kernels.scatter_cast``: while one buffer is
-being copied out, the next batch is read into the other. For GPU destinations the staging buffers
+file (judged by three of its runs) is neither hinted nor looked at again. A range whose
+destination is a CPU tensor of the same dtype is read straight into the destination; the others
+land in one of two staging buffers and are copied (and cast) by ``kernels.scatter_cast``: while
+one buffer is being copied out, the next batch is read into the other. For GPU destinations the staging buffers
 are pinned and each batch goes to the device on its own CUDA stream, so reads, host-to-device
 copies and the kernel overlap without a per-tensor synchronisation.
 """

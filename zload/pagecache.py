@@ -7,8 +7,10 @@ hinted ahead of the reader keep several requests in flight. When the pages are a
 hints would only cost system calls, so a span is hinted only when ``mincore`` (through ctypes: no
 compiled extension) finds the first pages of it missing. Looking at every page instead costs
 about 15 us per MB when cached (1.4 ms for a 95 MB file, measured), more than a warm load can
-spare; a few pages cost about 3 us. Where either call is missing (not Linux, no libc), nothing is
-hinted and reads work as before.
+spare; a few pages cost about 3 us. Even that, span by span from a thread of its own, slowed warm
+loads by 10% (two ranks on two cores, 800 spans each), so a file whose first, middle and last
+spans are cached is taken as cached whole. Where either call is missing (not Linux, no libc),
+nothing is hinted and reads work as before.
 """
 
 from __future__ import annotations
@@ -72,11 +74,16 @@ def prefetch(fd: int, offset: int, length: int) -> None:
         pass
 
 
+def uncached(fd: int, spans: list[tuple[int, int]]) -> bool:
+    """Whether the first, middle or last ``(offset, length)`` of ``spans`` (in one file, in reading
+    order) lacks pages in the page cache: the cheap evidence that decides for all of them."""
+    return bool(spans) and any(cached(fd, *spans[k]) is False for k in {0, len(spans) // 2, len(spans) - 1})
+
+
 def prefetch_if_uncached(fd: int, spans: list[tuple[int, int]]) -> None:
-    """Hint every ``(offset, length)`` of ``spans`` at once, unless the first, middle and last are
-    cached: for many small reads spread over a file, each of which would otherwise wait for the
-    device in turn."""
-    if spans and any(cached(fd, *spans[k]) is False for k in {0, len(spans) // 2, len(spans) - 1}):
+    """Hint every ``(offset, length)`` of ``spans`` at once, if they look ``uncached``: for many
+    small reads spread over a file, each of which would otherwise wait for the device in turn."""
+    if uncached(fd, spans):
         for offset, length in spans:
             prefetch(fd, offset, length)
 
@@ -85,12 +92,14 @@ class ReadAhead:
     """Hints the uncached spans of a reading order to the kernel, up to ``window`` bytes ahead of
     the reader, from a thread of its own: a hint can wait for room in the device's queue, and the
     reader should be copying meanwhile. Spans are ``(fd, offset, length)``, appended in the order
-    they are read (``extend``); readers call ``reached(i)`` as they start span ``i``. ``close``
-    before the descriptors are closed. A window of 0 hints nothing."""
+    they are read (``extend``); readers call ``reached(i)`` as they start span ``i``. The spans of
+    a file that does not look ``uncached`` when they are appended are never looked at again (a
+    warm load starts no thread). ``close`` before the descriptors are closed. A window of 0 hints
+    nothing."""
 
     def __init__(self, window: int):
         self.window = window
-        self.spans: list[tuple[int, int, int]] = []
+        self.spans: list[tuple[int, int, int] | None] = []  # None: taken as cached
         self.starts = [0]  # bytes of the reading order before span i
         self.position = 0  # where the reader is
         self.hinted = 0  # spans[:hinted] have been looked at (or passed by the reader)
@@ -100,13 +109,18 @@ class ReadAhead:
 
     def extend(self, spans) -> int:
         """Append spans to the reading order; returns the index of the first."""
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        if self.window > 0:
+            for fd, offset, length in spans:
+                by_file.setdefault(fd, []).append((offset, length))
+        cold = {fd for fd, of_file in by_file.items() if uncached(fd, of_file)}
         with self.changed:
             first = len(self.spans)
             for span in spans:
-                self.spans.append(span)
+                self.spans.append(span if span[0] in cold else None)
                 self.starts.append(self.starts[-1] + span[2])
             self.changed.notify()
-        if self.thread is None and self.window > 0 and _LIBC is not None:
+        if self.thread is None and cold:
             self.thread = threading.Thread(target=self._hint, name="zload-read-ahead", daemon=True)
             self.thread.start()
         return first
@@ -121,8 +135,9 @@ class ReadAhead:
         """The next span to look at, once it is within the window; None when closed."""
         with self.changed:
             while not self.closed:
-                if self.hinted < len(self.spans) and self.starts[self.hinted] < self.position:
-                    self.hinted += 1  # the reader is past it already
+                if self.hinted < len(self.spans) and (self.spans[self.hinted] is None
+                                                      or self.starts[self.hinted] < self.position):
+                    self.hinted += 1  # taken as cached, or the reader is past it already
                 elif self.hinted < len(self.spans) and self.starts[self.hinted] < self.position + self.window:
                     self.hinted += 1
                     return self.spans[self.hinted - 1]
