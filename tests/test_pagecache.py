@@ -125,8 +125,11 @@ def test_a_warm_file_is_looked_at_in_three_spans_only(big_file, unhurried, monke
     warm(path)
     looked, real = [], pagecache.cached
     monkeypatch.setattr(pagecache, "cached", lambda *span: looked.append(span) or real(*span))
+    started, real_hint = [], pagecache.ReadAhead._hint
+    monkeypatch.setattr(pagecache.ReadAhead, "_hint", lambda self: started.append(1) or real_hint(self))
     read_in_quarters(path, data, pieces=12)
     assert len(looked) == 3
+    assert started == []  # no hint thread at all
 
 
 @pytest.mark.parametrize("readers", [1, 2])
@@ -173,6 +176,28 @@ def test_read_ahead_stays_within_its_window_and_skips_what_the_reader_passed(mon
     finally:
         ahead.close()
     assert not ahead.thread.is_alive()
+
+
+def test_a_cold_batch_after_warm_ones_is_hinted_from_where_the_reader_is(monkeypatch):
+    """Spans of 10 bytes, a window of 25: a batch of a warm file (fd 1) starts no thread, but the
+    reader's place in it still counts, so the next batch (cold fd 2) is hinted at once up to the
+    window from there."""
+    given = []
+    monkeypatch.setattr(pagecache, "cached", lambda fd, offset, length: fd != 2)
+    monkeypatch.setattr(pagecache, "prefetch", lambda fd, offset, length: given.append((fd, offset)))
+    ahead = pagecache.ReadAhead(25)
+    try:
+        ahead.extend([(1, 10 * k, 10) for k in range(100)])
+        ahead.reached(99)
+        assert ahead.thread is None
+        assert ahead.extend([(2, 10 * k, 10) for k in range(10)]) == 100
+        deadline = time.monotonic() + 5
+        while len(given) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # and nothing more follows
+        assert given == [(2, 0), (2, 10)]
+    finally:
+        ahead.close()
 
 
 def test_sample_digests_hint_a_cold_files_windows_all_at_once(big_file, hints):

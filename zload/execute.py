@@ -6,8 +6,9 @@ scatters the bytes to several buffers at once. A few reader threads take the run
 and there are no more of them than this rank's share of the CPUs, since reads from the page cache
 are memory copies that more threads than cores only slow down. A rank with one reader thread
 hints the runs the page cache lacks to the kernel (``pagecache.ReadAhead``), up to
-``READ_AHEAD_BYTES`` ahead of its reads, so that a cold load keeps the storage device busy; a warm
-file (judged by three of its runs) is neither hinted nor looked at again. A range whose
+``READ_AHEAD_BYTES`` ahead of its reads, so that a cold load keeps the storage device busy; the
+runs of a file in a batch whose first, middle and last are cached are neither hinted nor looked
+at again. A range whose
 destination is a CPU tensor of the same dtype is read straight into the destination; the others
 land in one of two staging buffers and are copied (and cast) by ``kernels.scatter_cast``: while
 one buffer is being copied out, the next batch is read into the other. For GPU destinations the staging buffers

@@ -7,10 +7,10 @@ hinted ahead of the reader keep several requests in flight. When the pages are a
 hints would only cost system calls, so a span is hinted only when ``mincore`` (through ctypes: no
 compiled extension) finds the first pages of it missing. Looking at every page instead costs
 about 15 us per MB when cached (1.4 ms for a 95 MB file, measured), more than a warm load can
-spare; a few pages cost about 3 us. Even that, span by span from a thread of its own, slowed warm
-loads by 10% (two ranks on two cores, 800 spans each), so a file whose first, middle and last
-spans are cached is taken as cached whole. Where either call is missing (not Linux, no libc),
-nothing is hinted and reads work as before.
+spare; a few pages cost about 3 us. Even that, span by span from a thread of its own, slowed the
+reads of a warm load by about 10% (two ranks on two cores, 800 spans each), so the spans of one
+file in a batch whose first, middle and last are cached are all taken as cached. Where either
+call is missing (not Linux, no libc), nothing is hinted and reads work as before.
 """
 
 from __future__ import annotations
@@ -120,12 +120,15 @@ class ReadAhead:
                 self.spans.append(span if span[0] in cold else None)
                 self.starts.append(self.starts[-1] + span[2])
             self.changed.notify()
-        if self.thread is None and cold:
+        if self.thread is None and cold:  # never without mincore: ``cached`` is None then
             self.thread = threading.Thread(target=self._hint, name="zload-read-ahead", daemon=True)
             self.thread.start()
         return first
 
     def reached(self, i: int) -> None:
+        if self.thread is None:  # no thread to wake (a window > 0 has a single reader, so no race)
+            self.position = max(self.position, self.starts[i])
+            return
         with self.changed:
             if self.starts[i] > self.position:
                 self.position = self.starts[i]
