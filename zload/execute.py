@@ -8,12 +8,12 @@ are memory copies that more threads than cores only slow down. A rank with one r
 hints the runs the page cache lacks to the kernel (``pagecache.ReadAhead``), up to
 ``READ_AHEAD_BYTES`` ahead of its reads, so that a cold load keeps the storage device busy; the
 runs of a file in a batch whose first, middle and last are cached are neither hinted nor looked
-at again. A range whose
-destination is a CPU tensor of the same dtype is read straight into the destination; the others
-land in one of two staging buffers and are copied (and cast) by ``kernels.scatter_cast``: while
-one buffer is being copied out, the next batch is read into the other. For GPU destinations the staging buffers
-are pinned and each batch goes to the device on its own CUDA stream, so reads, host-to-device
-copies and the kernel overlap without a per-tensor synchronisation.
+at again. A range whose destination is a CPU tensor of the same dtype is read straight into the
+destination; the others land in one of two staging buffers and are copied (and cast) by
+``kernels.scatter_cast``: while one buffer is being copied out, the next batch is read into the
+other. For GPU destinations the staging buffers are pinned and each batch goes to the device on
+its own CUDA stream, so reads, host-to-device copies and the kernel overlap without a per-tensor
+synchronisation.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ hinted ahead of the reader keep several requests in flight. When the pages are a
 hints would only cost system calls, so a span is hinted only when ``mincore`` (through ctypes: no
 compiled extension) finds the first pages of it missing. Looking at every page instead costs
 about 15 us per MB when cached (1.4 ms for a 95 MB file, measured), more than a warm load can
-spare; a few pages cost about 3 us. Even that, span by span from a thread of its own, slowed the
-reads of a warm load by about 10% (two ranks on two cores, 800 spans each), so the spans of one
-file in a batch whose first, middle and last are cached are all taken as cached. Where either
+spare; a few pages cost about 3 us. Even that, span by span from a thread of its own, took CPU
+from the readers of a warm load (two ranks on two cores, 800 spans each: about 5% of the load),
+so the spans of one file in a batch whose first, middle and last are cached are all taken as
+cached. Where either
 call is missing (not Linux, no libc), nothing is hinted and reads work as before.
 """
 
@@ -126,9 +127,6 @@ class ReadAhead:
         return first
 
     def reached(self, i: int) -> None:
-        if self.thread is None:  # no thread to wake (a window > 0 has a single reader, so no race)
-            self.position = max(self.position, self.starts[i])
-            return
         with self.changed:
             if self.starts[i] > self.position:
                 self.position = self.starts[i]
