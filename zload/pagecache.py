@@ -10,8 +10,8 @@ about 15 us per MB when cached (1.4 ms for a 95 MB file, measured), more than a 
 spare; a few pages cost about 3 us. Even that, span by span from a thread of its own, took CPU
 from the readers of a warm load (two ranks on two cores, 800 spans each: about 5% of the load),
 so the spans of one file in a batch whose first, middle and last are cached are all taken as
-cached. Where either
-call is missing (not Linux, no libc), nothing is hinted and reads work as before.
+cached. Where either call is missing (not Linux, no libc), nothing is hinted and reads work as
+before.
 """
 
 from __future__ import annotations

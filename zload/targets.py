@@ -99,7 +99,7 @@ def _zero_partition_problem(param, live_engine: bool) -> str | None:
 def zero_partition(param, places: dict | None = None) -> Partition:
     """This rank's partition of ZeRO-3 parameter ``param`` in its own process group. ``places``
     keeps each group's (world size, rank) over the parameters of one model walk: asked of
-    torch.distributed for each of 800 parameters they took a millisecond and a half of a load."""
+    torch.distributed for each of 800 parameters they took about a millisecond of a load."""
     import torch.distributed as dist
 
     group = param.ds_process_group
