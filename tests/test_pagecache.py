@@ -78,9 +78,10 @@ def test_cached_says_whether_a_spans_first_pages_are_resident(big_file):
         os.close(fd)
 
 
-def read_in_quarters(path, data, pieces: int = 4) -> list[tuple[int, int]]:
-    """Read the tensor's four quarters (the strided ranges of one rank, say; or as many ``pieces``)
-    through a RangeReader, check every byte, and return the pieces' (offset, length) in the file."""
+def read_in_pieces(path, data, pieces: int = 4) -> list[tuple[int, int]]:
+    """Read the tensor in ``pieces`` equal parts (the strided ranges of one rank, say), none
+    file-contiguous with the one before, through a RangeReader; check every byte, and return the
+    parts' (offset, length) in the file."""
     index = open_checkpoint(path)
     entry = index.tensors["x"]
     out = torch.zeros_like(data)
@@ -113,7 +114,7 @@ def unhurried(monkeypatch):
 def test_a_cold_read_is_hinted_ahead_of_the_reader(big_file, hints, unhurried):
     path, data = big_file
     skip_unless_evictable(path)
-    quarters = read_in_quarters(path, data)
+    quarters = read_in_pieces(path, data)
     assert sorted((offset, length) for _, offset, length in hints) == quarters
 
 
@@ -128,7 +129,7 @@ def test_a_warm_file_is_looked_at_in_three_spans_only(big_file, monkeypatch):
     monkeypatch.setattr(pagecache, "cached", lambda *span: looked.append(span) or real(*span))
     started, real_hint = [], pagecache.ReadAhead._hint
     monkeypatch.setattr(pagecache.ReadAhead, "_hint", lambda self: started.append(1) or real_hint(self))
-    read_in_quarters(path, data, pieces=12)
+    read_in_pieces(path, data, pieces=12)
     assert len(looked) == 3
     assert started == []  # no hint thread at all
 
@@ -138,7 +139,7 @@ def test_a_warm_read_gives_no_hint(big_file, hints, monkeypatch, readers):
     path, data = big_file
     warm(path)
     monkeypatch.setattr(execute_module, "reader_count", lambda: readers)
-    read_in_quarters(path, data)
+    read_in_pieces(path, data)
     assert hints == []
 
 
@@ -147,7 +148,7 @@ def test_a_rank_with_two_reader_threads_gives_no_hint(big_file, hints, monkeypat
     path, data = big_file
     skip_unless_evictable(path)
     monkeypatch.setattr(execute_module, "reader_count", lambda: 2)
-    read_in_quarters(path, data)
+    read_in_pieces(path, data)
     assert hints == []
 
 
@@ -223,5 +224,5 @@ def test_hints_never_block_a_read_when_mincore_is_unavailable(big_file, hints, m
     path, data = big_file
     monkeypatch.setattr(pagecache, "_LIBC", None)
     evict(path)
-    read_in_quarters(path, data)
+    read_in_pieces(path, data)
     assert hints == []

@@ -31,7 +31,7 @@ def evaluate_targets(data: dict) -> list[str]:
             worst, parts = zi["median"]["max_total_rss_growth"], zi["median"]["partition_bytes"]
             out.append(f"{size}: zload+init RSS growth over construct + load <= this rank's partitions "
                        f"({parts / MB:,.0f} MB) + staging + 64 MB = {(parts + limit) / MB:,.0f} MB: "
-                       f"{'MET' if worst <= parts + limit else 'NOT MET'} (worst rank of the worst run "
+                       f"{met(worst <= parts + limit)} (worst rank of the worst run "
                        f"{worst / MB:,.1f} MB)")
     return out + _gpu_construction_targets(by_key) + _dcp_and_ceiling_targets(data, by_key)
 
