@@ -43,6 +43,8 @@ STRATEGIES = {
                     "and thrown away)", {"gap": GAP}),
     "O_DIRECT": ("two threads, O_DIRECT on page-aligned spans (no page cache)",
                  {"threads": 2, "direct": True}),
+    "mapped": ("one thread copying each range out of a memory map of its file, as DCP's reader does "
+               "(page faults, with the kernel's read-around)", {"mapped": True}),
     "contiguous 1/W": ("not zload's ranges: rank r reads the r-th contiguous 1/W of the files, "
                        "four threads (the load benchmark's ceiling)", {"threads": 4, "contiguous": True}),
 }
@@ -105,6 +107,14 @@ def read_all(fds: dict, todo: list, threads: int, ahead: int, direct: bool) -> i
         return sum(pool.map(lambda _: reader(), range(threads)))
 
 
+def copy_mapped(fds: dict, todo: list) -> int:
+    maps = {path: memoryview(mmap.mmap(fd, 0, prot=mmap.PROT_READ)) for path, fd in fds.items()}
+    buffer = memoryview(bytearray(RUN))
+    for path, offset, length in todo:
+        buffer[:length] = maps[path][offset:offset + length]
+    return sum(length for _, _, length in todo)
+
+
 def rank_main(folder: str, rank: int, world: int, options: dict, barrier, results) -> None:
     ranges = (contiguous_share if options.get("contiguous") else partition_ranges)(folder, rank, world)
     todo = requests(ranges, options.get("gap", 0))
@@ -112,7 +122,10 @@ def rank_main(folder: str, rank: int, world: int, options: dict, barrier, result
     fds = {path: os.open(path, flags) for path in {r[0] for r in todo}}
     barrier.wait()
     started = time.perf_counter()
-    read = read_all(fds, todo, options.get("threads", 1), options.get("ahead", 0), options.get("direct", False))
+    if options.get("mapped"):
+        read = copy_mapped(fds, todo)
+    else:
+        read = read_all(fds, todo, options.get("threads", 1), options.get("ahead", 0), options.get("direct", False))
     results.put((time.perf_counter() - started, read))
 
 
