@@ -17,6 +17,7 @@ import json
 import mmap
 import multiprocessing
 import os
+import shlex
 import statistics
 import sys
 import threading
@@ -171,7 +172,7 @@ def main() -> None:
         log(f"round {round_ + 1}/{args.rounds} done")
     rows = [{"world": w, "strategy": s, "seconds": v, "median": statistics.median(v), "bytes_read": read[w, s]}
             for (w, s), v in seconds.items()]
-    data = {"command": "python -m benchmarks.cold_reads " + " ".join(sys.argv[1:]), "checkpoint": folder,
+    data = {"command": "python -m benchmarks.cold_reads " + shlex.join(sys.argv[1:]), "checkpoint": folder,
             "bytes": total, "highest_residency_before": max((r for r in residency if r is not None), default=None),
             "rows": rows}
     os.makedirs(args.out, exist_ok=True)

@@ -266,6 +266,7 @@ def test_cold_reads_benchmark_times_each_strategy_from_an_empty_cache(cache, tmp
     assert {(r["world"], r["strategy"]) for r in data["rows"]} == {
         (w, s) for w in (1, 2) for s in ("sequential", "hinted", "O_DIRECT", "mapped", "contiguous 1/W")}
     assert all(r["median"] > 0 for r in data["rows"])
+    assert "'contiguous 1/W'" in data["command"]  # the recorded command runs as written
     read = {(r["world"], r["strategy"]): r["bytes_read"] for r in data["rows"]}
     assert read[1, "contiguous 1/W"] == read[2, "contiguous 1/W"] == data["bytes"]  # every file byte once
     assert (read[1, "sequential"] == read[2, "sequential"] == read[2, "hinted"] == read[2, "O_DIRECT"]
