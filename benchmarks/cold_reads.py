@@ -109,6 +109,7 @@ def read_all(fds: dict, todo: list, threads: int, ahead: int, direct: bool) -> i
 
 
 def copy_mapped(fds: dict, todo: list) -> int:
+    """DCP's reader's way: each copy faults its pages in, and the kernel reads around each fault."""
     maps = {path: memoryview(mmap.mmap(fd, 0, prot=mmap.PROT_READ)) for path, fd in fds.items()}
     buffer = memoryview(bytearray(RUN))
     for path, offset, length in todo:
