@@ -122,6 +122,8 @@ def _dcp_and_ceiling_targets(data: dict, by_key: dict) -> list[str]:
         if method not in _LOADERS:
             continue
         dcp, ceiling = by_key.get((size, world, "dcp")), by_key.get((size, world, "ceiling"))
+        if not (dcp or ceiling):
+            continue
         zl, label, what = entry["median"]["load_s"], f"{size} W={world}", _LOADERS[method]
         if dcp and cold:
             dl = dcp["median"]["load_s"]
