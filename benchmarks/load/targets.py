@@ -122,7 +122,7 @@ def _dcp_and_ceiling_targets(data: dict, by_key: dict) -> list[str]:
         if method not in _LOADERS:
             continue
         dcp, ceiling = by_key.get((size, world, "dcp")), by_key.get((size, world, "ceiling"))
-        if not (dcp or ceiling):
+        if not (dcp or ceiling):  # nothing to judge against (nor, in some results, a load time)
             continue
         zl, label, what = entry["median"]["load_s"], f"{size} W={world}", _LOADERS[method]
         if dcp and cold:
