@@ -258,6 +258,32 @@ def test_plot_shows_seconds_and_throughput_against_size_with_the_speed_up(tmp_pa
     assert {line.get_label() for line in throughput.lines} == {"floor", "zload", "transformers"}
 
 
+def test_a_cold_worker_empties_the_cache_again_as_its_timed_load_begins(tmp_path):
+    """``--cold`` reaches each worker, whose meter calls its ``before_load`` (the eviction) as the
+    "load" segment begins, before the ranks' barrier, and at no other segment: every method then
+    reads the same time after the cache was emptied."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from benchmarks.load.launch import _worker_args
+    from benchmarks.load.worker import CommCounter, Meter
+
+    args = argparse.Namespace(staging_bytes=1, model_dtype="bfloat16", load_verify="sample", verify=False, cold=True)
+    assert "--cold" in _worker_args("zload", "f", "r", args)
+    assert "--cold" not in _worker_args("zload", "f", "r", argparse.Namespace(**{**vars(args), "cold": False}))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        meter, calls = Meter(CommCounter(), cuda=False), []
+        meter.before_load = lambda: calls.append(sorted(meter.open))
+        for segment in ("total", "construct", "load"):
+            meter.begin(segment)
+        meter.close()
+    finally:
+        dist.destroy_process_group()
+    assert calls == [["construct", "total"]]  # once, before "load" opened
+
+
 def test_cold_reads_benchmark_times_each_strategy_from_an_empty_cache(cache, tmp_path):
     run_module(tmp_path, "benchmarks.cold_reads", "--size", SIZE, "--world", "1", "2", "--rounds", "1",
                "--cache", cache, "--strategies", "sequential", "hinted", "O_DIRECT", "mapped", "contiguous 1/W",

@@ -70,8 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking every partition against the checkpoint after each load")
     p.add_argument("--cold", action="store_true",
-                   help="empty the page cache of the checkpoint before every measurement (drop_caches as "
-                        "root, else posix_fadvise DONTNEED), instead of reading it in")
+                   help="empty the page cache of the checkpoint before every measurement and again as its "
+                        "timed load begins (drop_caches as root, else posix_fadvise DONTNEED), instead of "
+                        "reading it in")
     p.add_argument("--render", metavar="JSON",
                    help="only judge the targets again (kept in the JSON) and rewrite the .md and .png "
                         "of an existing results JSON")

@@ -33,7 +33,7 @@ def _worker_args(method: str, folder: str, result_dir: str, args) -> list[str]:
     cmd = ["-m", "benchmarks.load", "--worker", method, "--checkpoint", folder, "--result-dir", result_dir,
            "--staging-bytes", str(args.staging_bytes), "--model-dtype", args.model_dtype,
            "--load-verify", args.load_verify]
-    return cmd + ([] if args.verify else ["--no-verify"])
+    return cmd + ([] if args.verify else ["--no-verify"]) + (["--cold"] if args.cold else [])
 
 
 @contextmanager

@@ -197,9 +197,10 @@ def _residency(data: dict) -> str:
                 before_each[size] = pick(before_each.get(size, run["page_cache_resident"]),
                                          run["page_cache_resident"])
     if before_each:
-        done = ("page cache emptied before each measurement; highest" if cold
-                else "every file re-read before each measurement; lowest")
-        return f"{done} residency as the method started: " + ", ".join(
+        done = ("page cache emptied before each measurement and again as its timed load began; "
+                "highest residency then" if cold
+                else "every file re-read before each measurement; lowest residency as the method started")
+        return f"{done}: " + ", ".join(
             f"{size}: {fraction:.0%}" for size, fraction in before_each.items())
     return "every file read once before the runs; " + ", ".join(
         f"{s['size']}: {s['page_cache']['resident_fraction']:.0%} resident"

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from .checkpoint import page_cache_residency
+from .checkpoint import evict_page_cache, page_cache_residency
 from .methods import RUNNERS, partition_bytes
 
 
@@ -96,6 +96,7 @@ class Meter:
         self.open: dict[str, dict] = {}
         self.done: dict[str, dict] = {}
         self.lock = threading.Lock()
+        self.before_load = None  # called on every rank as the "load" segment begins, before its barrier
         self.stop = threading.Event()
         self.samples = 0
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -150,6 +151,8 @@ class Meter:
         import torch.distributed as dist
 
         self._fold_gpu()
+        if name == "load" and self.before_load:
+            self.before_load()
         dist.barrier()
         rss, anon = self._sample()
         seg = {"rss_before": rss, "rss_peak": rss, "anon_before": anon, "anon_peak": anon,
@@ -226,9 +229,15 @@ def worker_main(args) -> None:
         method = args.worker
         # how much of the checkpoint the page cache holds as the method starts (this VM evicts idle
         # pages within a minute, so a warm run is checked as much as a cold one)
-        resident = page_cache_residency(args.checkpoint) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+        node_first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        resident = {"fraction": page_cache_residency(args.checkpoint) if node_first else None}
+        if args.cold and node_first:
+            # Cold, empty the cache again as the timed load begins, so that every method reads the
+            # same time after it: on this project's VM a load that reads seconds after the cache
+            # was emptied copied out of it several times slower (benchmarks/README.md, cold).
+            meter.before_load = lambda: resident.update(fraction=evict_page_cache(args.checkpoint)["resident_fraction"])
         result = RUNNERS[method](args.checkpoint, meter, args)
-        result["page_cache_resident"] = resident
+        result["page_cache_resident"] = resident["fraction"]
         meter.close()
         segments = dict(meter.done)
         if "construct" not in segments and "load" in segments:
