@@ -44,8 +44,8 @@ STRATEGIES = {
                     "and thrown away)", {"gap": GAP}),
     "O_DIRECT": ("two threads, O_DIRECT on page-aligned spans (no page cache)",
                  {"threads": 2, "direct": True}),
-    "mapped": ("one thread copying each range out of a memory map of its file, as DCP's reader does "
-               "(page faults, with the kernel's read-around)", {"mapped": True}),
+    "mapped": ("a stand-in for DCP's reader: one thread copying each range out of a memory map of its "
+               "file (page faults, with the kernel's read-around)", {"mapped": True}),
     "contiguous 1/W": ("not zload's ranges: rank r reads the r-th contiguous 1/W of the files, "
                        "four threads (the load benchmark's ceiling)", {"threads": 4, "contiguous": True}),
 }

@@ -96,7 +96,7 @@ class Meter:
         self.open: dict[str, dict] = {}
         self.done: dict[str, dict] = {}
         self.lock = threading.Lock()
-        self.before_load = None  # called on every rank as the "load" segment begins, before its barrier
+        self.before_load = None  # where set, called as the "load" segment begins, before its barrier
         self.stop = threading.Event()
         self.samples = 0
         self.thread = threading.Thread(target=self._loop, daemon=True)
