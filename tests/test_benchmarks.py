@@ -91,7 +91,8 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     ceiling read (``_check_dcp_and_ceiling``)."""
     data, runs, shares = _load_smoke(cache, tmp_path, "benchmarks.load", "--world", "2")
     total = data["checkpoints"][0]["checkpoint_bytes"]
-    assert set(runs) == {"floor", "ceiling", "alloc-floor", "zload", "zload+init", "dcp", "transformers"}
+    assert set(runs) == {"floor", "ceiling", "alloc-floor", "zload", "zload+init", "dcp", "dcp-after-zero.Init",
+                         "dcp-after-zload.init", "transformers"}
     assert runs["zload+init"]["collective_received_load"] < 1000
     assert runs["zload+init"]["collective_received_total"] < 1000  # zload.init broadcasts nothing
     assert runs["alloc-floor"]["partition_bytes"] == runs["zload+init"]["partition_bytes"] >= max(shares)
@@ -104,8 +105,9 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     for method in runs:
         assert f"| {method} |" in table
     assert "| ceiling | – |" in table and "| dcp | – |" in table  # nothing timed as construction
-    # 3 of zload's load, 5 of zload.init's, and each of the two loads warm against DCP
-    assert len(data["targets"]) == 10 and all(t.startswith(SIZE) for t in data["targets"])
+    # 3 of zload's load, 5 of zload.init's, and each of the two loads warm against DCP, alone and
+    # after the same construction
+    assert len(data["targets"]) == 12 and all(t.startswith(SIZE) for t in data["targets"])
     assert (tmp_path / "load-smoke.png").stat().st_size > 1000
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" raises ImportError
     assert write_outputs(data, str(tmp_path / "again")) == ".md"
@@ -115,8 +117,9 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
 def _check_dcp_and_ceiling(data: dict, runs: dict) -> None:
     """DCP's Hugging Face reader leaves every rank's rows of every tensor, bit for bit, and reads
     (by estimate) just those rows; the ceiling reads the files once over the ranks, in equal shares,
-    across file boundaries; DCP's plan exchange shows in the collectives."""
-    folder = Path(data["checkpoints"][0]["folder"])
+    across file boundaries; DCP's plan exchange shows in the collectives. The controls do as DCP,
+    after building the model as zload's methods do; every load's CPU seconds are recorded."""
+    folder, total = Path(data["checkpoints"][0]["folder"]), data["checkpoints"][0]["checkpoint_bytes"]
     file_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     assert data["checkpoints"][0]["files"] > 1
     assert runs["dcp"]["verified"] is True
@@ -126,6 +129,14 @@ def _check_dcp_and_ceiling(data: dict, runs: dict) -> None:
     assert sum(shares) == file_bytes and max(shares) - min(shares) <= 1
     assert runs["ceiling"]["verified"] is None and runs["ceiling"]["collective_received_load"] == 0
     assert runs["dcp"]["load_s"] > 0 and runs["ceiling"]["load_s"] > 0
+    for after in ("dcp-after-zero.Init", "dcp-after-zload.init"):  # DCP's load, after a construction
+        assert runs[after]["verified"] is True and runs[after]["bytes_read_by_rank"] == runs["dcp"]["bytes_read_by_rank"]
+        assert runs[after]["construct_rss_growth"] is not None and runs["dcp"]["construct_rss_growth"] is None
+    # zero.Init's construction broadcast the weights; zload.init's did not
+    assert runs["dcp-after-zero.Init"]["collective_received_total"] > total / 2
+    assert runs["dcp-after-zload.init"]["collective_received_total"] < total / 10
+    for run in runs.values():  # the load's CPU seconds (in clock ticks: a short load may show 0), where there is a load
+        assert run["load_s"] is None or min(run["load_cpu_user"], run["load_cpu_system"]) >= 0
 
 
 def test_convert_benchmark_checks_and_reports_every_method(cache, tmp_path):
@@ -155,7 +166,8 @@ def test_dcp_and_ceiling_targets_at_every_world_size(page_cache):
     DCP; each judged at every world size where the methods ran, for the load into a zero.Init model
     and, where it ran, into a zload.init one."""
     loads = {1: {"zload": 1.0, "dcp": 1.0, "ceiling": 0.9},
-             2: {"zload": 0.5, "zload+init": 0.95, "dcp": 1.0, "ceiling": 0.4}}
+             2: {"zload": 0.5, "zload+init": 0.95, "dcp": 1.0, "ceiling": 0.4,
+                 "dcp-after-zero.Init": 0.5, "dcp-after-zload.init": 1.1}}
     data = {"checkpoints": [{"size": "1GB"}], "staging_bytes": 64 << 20, "page_cache": page_cache,
             "results": [_entry(m, w, s) for w, by_method in loads.items() for m, s in by_method.items()]}
     verdicts = dict(re.match(r"(.*): (MET|NOT MET) \(", t).groups() for t in evaluate_targets(data) if " W=" in t)
@@ -166,11 +178,17 @@ def test_dcp_and_ceiling_targets_at_every_world_size(page_cache):
                             "1GB W=2, cold: zload load at >= 85% of the device ceiling's speed": "NOT MET",
                             "1GB W=2, cold: zload load into a zload.init model <= 0.9x DCP's": "NOT MET",
                             "1GB W=2, cold: zload load into a zload.init model at >= 85% of the device "
-                            "ceiling's speed": "NOT MET"}
+                            "ceiling's speed": "NOT MET",
+                            "1GB W=2, cold: zload load <= 0.9x DCP's after the same construction (zload)": "NOT MET",
+                            "1GB W=2, cold: zload load into a zload.init model <= 0.9x DCP's after the same "
+                            "construction (zload+init)": "MET"}
     else:
         assert verdicts == {"1GB W=1, warm: zload load ahead of DCP's": "NOT MET",
                             "1GB W=2, warm: zload load ahead of DCP's": "MET",
-                            "1GB W=2, warm: zload load into a zload.init model ahead of DCP's": "MET"}
+                            "1GB W=2, warm: zload load into a zload.init model ahead of DCP's": "MET",
+                            "1GB W=2, warm: zload load ahead of DCP's after the same construction (zload)": "NOT MET",
+                            "1GB W=2, warm: zload load into a zload.init model ahead of DCP's after the same "
+                            "construction (zload+init)": "MET"}
 
 
 def test_gpu_check_smoke_run_on_cpu(cache, tmp_path):

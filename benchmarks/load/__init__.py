@@ -23,6 +23,10 @@ each world size, method and run, starts a fresh world of W ranks (so peak RSS is
   per checkpoint tensor, sharded by rows (``Shard(0)``) over a device mesh of the W ranks (their
   GPUs where CUDA is, as zload's partitions, else the CPU); the local shards are allocated and
   touched before the load, which alone is timed.
+- ``dcp-after-zero.Init``, ``dcp-after-zload.init``: controls for ``dcp``. The model is first built
+  as for ``zload`` or ``zload+init`` (timed as construct) and kept, then DCP loads as above: its read
+  after the same construction as zload's. (On this project's VM a cold read right after building
+  was slower than in a fresh process, for zload and DCP alike.)
 - ``transformers``: ``LlamaForCausalLM.from_pretrained`` with a live ``HfDeepSpeedConfig`` (ZeRO-3):
   construct + load is the whole call, the load step is its ``_load_pretrained_model``.
 
@@ -48,7 +52,8 @@ import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 REPO = os.path.dirname(HERE)
-METHODS = ("floor", "ceiling", "alloc-floor", "zload", "zload+init", "dcp", "transformers")
+METHODS = ("floor", "ceiling", "alloc-floor", "zload", "zload+init", "dcp", "dcp-after-zero.Init",
+           "dcp-after-zload.init", "transformers")
 DEFAULT_STAGING = 64 << 20  # zload's default staging_bytes (zload.execute.DEFAULT_STAGING_BYTES)
 SLACK = 64_000_000  # the memory target: growth <= staging + 64 MB
 MB = 1e6

@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--transformers-runs", type=int, default=None,
                    help="runs for the (slow) transformers method (default: --runs)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None,
-                   help="default: all (zload+init only if zload.init exists)")
+                   help="default: all (zload+init and dcp-after-zload.init only if zload.init exists)")
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
     p.add_argument("--name", default=None, help="output stem load-NAME (default: cpu, or the GPU name)")
     p.add_argument("--cache", default=os.environ.get("ZLOAD_BENCH_CACHE",
@@ -113,9 +113,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"--world {max(worlds)} is larger than the torchrun world ({coord.size})")
     methods = list(args.methods or METHODS)
     notes = []
-    if "zload+init" in methods and not hasattr(zload, "init"):
-        methods.remove("zload+init")
-        notes.append("zload+init not measured: this zload has no zload.init")
+    for needs_init in ("zload+init", "dcp-after-zload.init"):
+        if needs_init in methods and not hasattr(zload, "init"):
+            methods.remove(needs_init)
+            notes.append(f"{needs_init} not measured: this zload has no zload.init")
     sizes = args.sizes or [parse_size_spec("300MB")]
     runs_for = {m: args.runs for m in methods}
     if "transformers" in methods and args.transformers_runs is not None:

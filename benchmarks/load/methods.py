@@ -276,14 +276,18 @@ def verify_row_shards(state_dict: dict, folder: str) -> dict:
     return check_against_checkpoint(state_dict, folder, shard_problem)
 
 
-def dcp_load(folder: str, meter, args) -> dict:
+def dcp_load(folder: str, meter, args, build: str | None = None) -> dict:
     """PyTorch DCP's reader for Hugging Face checkpoints into row-sharded DTensors, at its default
-    ``thread_count`` (1: its documented default, and the one a plain ``dcp.load`` user gets)."""
+    ``thread_count`` (1: its documented default, and the one a plain ``dcp.load`` user gets).
+    With ``build`` ("zero.Init" or "zload.init") the model is built first, as for zload's load, and
+    kept through DCP's: a control, DCP reading after the same construction as zload."""
     import torch.distributed.checkpoint as dcp
 
+    model = build_model(folder, meter, args, build) if build else None  # begins "total"
     state_dict = dcp_state_dict(folder)  # the partitions exist before the load, as in every method
     reader = dcp.HuggingFaceStorageReader(folder)
-    meter.begin("total")
+    if model is None:
+        meter.begin("total")
     meter.begin("load")
     dcp.load(state_dict, storage_reader=reader)
     meter.end("load")
@@ -295,10 +299,13 @@ def dcp_load(folder: str, meter, args) -> dict:
     # here as its rows' bytes: from a cold cache (20 MB, W=2) the ranks together read the files
     # about once, but a page shared by two ranks counts for whichever faulted first.
     local = sum(t.to_local().nbytes for t in state_dict.values())
+    del model
     return {"bytes_read": local, "bytes_read_estimated": True, "verified": verified}
 
 
-def zload_load(folder: str, meter, args, use_init: bool) -> dict:
+def build_model(folder: str, meter, args, how: str):
+    """The checkpoint's Llama, built under ``how`` ("zero.Init" or "zload.init"), timed as the
+    "construct" segment within a "total" one that this begins."""
     import deepspeed
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -309,13 +316,20 @@ def zload_load(folder: str, meter, args, use_init: bool) -> dict:
     meter.begin("total")
     meter.begin("construct")
     dtype = getattr(torch, args.model_dtype)
-    if use_init:
+    if how == "zload.init":
         context = zload.init(ds_config(), dtype=dtype)
     else:
         context = deepspeed.zero.Init(config_dict_or_path=ds_config(), dtype=dtype)
     with context:
         model = LlamaForCausalLM(config)
     meter.end("construct")
+    return model
+
+
+def zload_load(folder: str, meter, args, build: str) -> dict:
+    import zload
+
+    model = build_model(folder, meter, args, build)
     meter.begin("load")
     report = zload.load_into(model, folder, progress=False, staging_bytes=args.staging_bytes,
                              verify=args.load_verify)
@@ -370,9 +384,11 @@ def transformers_load(folder: str, meter, args) -> dict:
 RUNNERS = {  # method -> what a worker runs: (checkpoint folder, Meter, args) -> result
     "floor": floor,
     "alloc-floor": alloc_floor,
-    "zload": lambda folder, meter, args: zload_load(folder, meter, args, use_init=False),
-    "zload+init": lambda folder, meter, args: zload_load(folder, meter, args, use_init=True),
+    "zload": lambda folder, meter, args: zload_load(folder, meter, args, "zero.Init"),
+    "zload+init": lambda folder, meter, args: zload_load(folder, meter, args, "zload.init"),
     "transformers": transformers_load,
     "ceiling": ceiling,
     "dcp": dcp_load,
+    "dcp-after-zero.Init": lambda folder, meter, args: dcp_load(folder, meter, args, "zero.Init"),
+    "dcp-after-zload.init": lambda folder, meter, args: dcp_load(folder, meter, args, "zload.init"),
 }

@@ -15,9 +15,10 @@ import time
 from . import MB, REPO, log
 
 UNTIMED_CONSTRUCT = ("floor", "ceiling", "dcp")  # their buffers or partitions are made before timing
-NO_CONSTRUCT_PLUS_LOAD = ("floor", "alloc-floor", "ceiling", "dcp")  # one timed step, no sum to show
+DCP_AFTER = {"zload": "dcp-after-zero.Init", "zload+init": "dcp-after-zload.init"}  # DCP after zload's construction
+NO_CONSTRUCT_PLUS_LOAD = ("floor", "alloc-floor", "ceiling", "dcp", *DCP_AFTER.values())  # no sum to show
 NO_COLLECTIVES = ("floor", "alloc-floor", "ceiling")
-READ_NOTES = {"transformers": " (rank 0 only)", "dcp": " (its rows, estimated)"}
+READ_NOTES = {"transformers": " (rank 0 only)", **{m: " (its rows, estimated)" for m in ("dcp", *DCP_AFTER.values())}}
 
 
 def _max(ranks, segment, key, default=None):
@@ -53,6 +54,8 @@ def summarize_run(ranks: list[dict]) -> dict:
         "zload_sent_received": max((r.get("bytes_sent", 0) + r.get("bytes_received", 0) for r in ranks),
                                    default=0),
         "rchar_load": _max(ranks, "load", "rchar"),
+        "load_cpu_user": _max(ranks, "load", "cpu_user"),
+        "load_cpu_system": _max(ranks, "load", "cpu_system"),
         "reload_s": _max(ranks, "reload", "seconds"),
         "zload_file": ranks[0].get("zload_file"),
         "page_cache_resident": min((r["page_cache_resident"] for r in ranks
@@ -74,7 +77,7 @@ def summarize_run(ranks: list[dict]) -> dict:
 _MEDIAN_KEYS = ("load_s", "construct_s", "total_s", "peak_rss", "load_rss_growth", "load_anon_growth",
                 "construct_rss_growth", "total_rss_growth", "partition_bytes", "peak_anon", "bytes_read",
                 "collective_received_load", "collective_received_total", "zload_sent_received",
-                "rchar_load", "reload_s", "gpu_peak", "load_gpu_growth", "construct_gpu_growth")
+                "rchar_load", "load_cpu_user", "load_cpu_system", "reload_s", "gpu_peak", "load_gpu_growth", "construct_gpu_growth")
 
 
 def summarize(entry: dict) -> None:
@@ -180,6 +183,12 @@ def _bytes(value) -> str:
     return f"{fmt_mb(value)} MB"
 
 
+def _cpu(median: dict) -> str:
+    if median.get("load_cpu_user") is None:  # results from before CPU time was recorded
+        return "–"
+    return f"{median['load_cpu_user']:.2f}; {median['load_cpu_system']:.2f}"
+
+
 def fmt_s(value) -> str:
     return "–" if value is None else f"{value:.2f}" if value >= 0.1 else f"{value:.3f}"
 
@@ -222,8 +231,8 @@ def markdown(data: dict) -> str:
         ("| checkpoint | W | method | construct s | load s | construct + load s | load GB/s "
          "| peak RSS / rank MB | RSS growth in construct MB | RSS growth in load MB | "
          + ("peak GPU / rank MB | GPU growth in construct MB | " if gpu else "")
-         + "read / rank MB | collectives / rank (load; construct + load) | runs |"),
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "") + "---:|---:|---:|",
+         + "read / rank MB | load CPU s (user; system) | collectives / rank (load; construct + load) | runs |"),
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "") + "---:|---:|---:|---:|",
     ]
     for e in data["results"]:
         m = e["median"]
@@ -240,7 +249,7 @@ def markdown(data: dict) -> str:
             f"| {construct_load} | {gb_s} | {fmt_mb(m.get('peak_rss'))} | {fmt_mb(m.get('construct_rss_growth'))} "
             f"| {fmt_mb(m.get('load_rss_growth'))} | "
             + (f"{fmt_mb(m.get('gpu_peak'))} | {fmt_mb(m.get('construct_gpu_growth'))} | " if gpu else "")
-            + f"{read} | {coll} | {len(e['runs'])} |")
+            + f"{read} | {_cpu(m)} | {coll} | {len(e['runs'])} |")
     lines += ["", ("Columns: *construct s* is building the model (zero.Init or zload.init; for "
               "transformers the whole `from_pretrained` but its load step) or the allocation floor's "
               "allocate-and-touch; *load s* is zload's `load_into`, transformers' load step "
@@ -253,7 +262,10 @@ def markdown(data: dict) -> str:
               "includes the checkpoint pages rank 0 memory-maps). *collectives* counts bytes each rank "
               "receives through torch.distributed collectives (wrapped and counted, not estimated), during "
               "the load and during construct + load; for zload that is its small agreement exchanges "
-              "(its `bytes_sent + bytes_received`, for ranks lacking a file, is 0 on one machine)."),
+              "(its `bytes_sent + bytes_received`, for ranks lacking a file, is 0 on one machine). "
+              "*load CPU s* is the process's user and system CPU seconds during the load, all its "
+              "threads (`os.times`): a copy made slow shows on the side that copies (the kernel's, "
+              "out of the page cache, for zload's reads; DCP's, out of a memory map, in user space)."),
               ""]
     if data.get("notes"):
         lines += [f"- {note}" for note in data["notes"]] + [""]

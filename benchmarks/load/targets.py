@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from . import MB, SLACK
-from .report import fmt_s
+from .report import DCP_AFTER, fmt_s
 
 
 def met(ok: bool) -> str:
@@ -115,26 +115,29 @@ def _dcp_and_ceiling_targets(data: dict, by_key: dict) -> list[str]:
     """zload against DCP and the device's ceiling, at every world size measured: from a cold page
     cache, zload's load within 0.9x DCP's and at >= 85% of the ceiling's speed; warm, ahead of DCP.
     Judged for the load into a zero.Init model and into a zload.init one alike: the same
-    ``load_into``, but cold it was not the same speed after each construction (benchmarks/README.md)."""
+    ``load_into``, but cold it was not the same speed after each construction (benchmarks/README.md);
+    and, where it ran, against DCP after that same construction too."""
     cold = data.get("page_cache") == "cold"
     out = []
     for (size, world, method), entry in by_key.items():
         if method not in _LOADERS:
             continue
-        dcp, ceiling = by_key.get((size, world, "dcp")), by_key.get((size, world, "ceiling"))
-        if not (dcp or ceiling):  # nothing to judge against (nor, in some results, a load time)
+        label, what, zl = f"{size} W={world}", _LOADERS[method], entry["median"].get("load_s")
+        if zl is None:  # some results have no load time
             continue
-        zl, label, what = entry["median"]["load_s"], f"{size} W={world}", _LOADERS[method]
-        if dcp and cold:
-            dl = dcp["median"]["load_s"]
-            out.append(f"{label}, cold: {what} <= 0.9x DCP's: {met(zl <= 0.9 * dl)} ({fmt_s(zl)} s vs "
-                       f"{fmt_s(dl)} s = {zl / dl:.2f}x)")
+        for peer, whose in (("dcp", "DCP's"), (DCP_AFTER[method], f"DCP's after the same construction ({method})")):
+            dcp = by_key.get((size, world, peer))
+            if dcp and cold:
+                dl = dcp["median"]["load_s"]
+                out.append(f"{label}, cold: {what} <= 0.9x {whose}: {met(zl <= 0.9 * dl)} ({fmt_s(zl)} s vs "
+                           f"{fmt_s(dl)} s = {zl / dl:.2f}x)")
+            elif dcp:
+                dl = dcp["median"]["load_s"]
+                out.append(f"{label}, warm: {what} ahead of {whose}: {met(zl < dl)} ({fmt_s(zl)} s vs "
+                           f"{fmt_s(dl)} s = {zl / dl:.2f}x)")
+        ceiling = by_key.get((size, world, "ceiling"))
         if ceiling and cold:
             cl = ceiling["median"]["load_s"]
             out.append(f"{label}, cold: {what} at >= 85% of the device ceiling's speed: "
                        f"{met(cl / zl >= 0.85)} (ceiling {fmt_s(cl)} s / zload {fmt_s(zl)} s = {cl / zl:.0%})")
-        if dcp and not cold:
-            dl = dcp["median"]["load_s"]
-            out.append(f"{label}, warm: {what} ahead of DCP's: {met(zl < dl)} ({fmt_s(zl)} s vs "
-                       f"{fmt_s(dl)} s = {zl / dl:.2f}x)")
     return out

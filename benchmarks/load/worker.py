@@ -157,7 +157,7 @@ class Meter:
         rss, anon = self._sample()
         seg = {"rss_before": rss, "rss_peak": rss, "anon_before": anon, "anon_peak": anon,
                "high_water_before": self._high_water(), "comm_before": self.counter.snapshot(),
-               "rchar_before": self._rchar(), "gpu_before": 0, "gpu_peak": 0}
+               "rchar_before": self._rchar(), "cpu_before": os.times(), "gpu_before": 0, "gpu_peak": 0}
         if self.cuda:
             seg["gpu_before"] = seg["gpu_peak"] = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -184,6 +184,9 @@ class Meter:
             "anon_before": seg["anon_before"], "anon_peak": seg["anon_peak"], "anon_after": anon_after,
             "comm_received": received - seg["comm_before"][0], "comm_calls": calls - seg["comm_before"][1],
             "rchar": self._rchar() - seg["rchar_before"],
+            # the process's CPU seconds, all threads: where a copy is slow, user or kernel side
+            "cpu_user": os.times().user - seg["cpu_before"].user,
+            "cpu_system": os.times().system - seg["cpu_before"].system,
         }
         if self.cuda:
             out.update(gpu_before=seg["gpu_before"], gpu_peak=seg["gpu_peak"])
