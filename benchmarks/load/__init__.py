@@ -25,8 +25,8 @@ each world size, method and run, starts a fresh world of W ranks (so peak RSS is
   touched before the load, which alone is timed.
 - ``dcp-after-zero.Init``, ``dcp-after-zload.init``: controls for ``dcp``. The model is first built
   as for ``zload`` or ``zload+init`` (timed as construct) and kept, then DCP loads as above: its read
-  after the same construction as zload's. (On this project's VM a cold read right after building
-  was slower than in a fresh process, for zload and DCP alike.)
+  after the same construction as zload's. (On this project's VM, after zero.Init built a 2.4 GB
+  model, cold loads by both were slower.)
 - ``transformers``: ``LlamaForCausalLM.from_pretrained`` with a live ``HfDeepSpeedConfig`` (ZeRO-3):
   construct + load is the whole call, the load step is its ``_load_pretrained_model``.
 

@@ -178,6 +178,7 @@ class Meter:
         if high_water > seg["high_water_before"]:  # a new lifetime peak, so it was reached in here
             seg["rss_peak"] = max(seg["rss_peak"], high_water)
         received, calls = self.counter.snapshot()
+        cpu_after = os.times()
         out = {
             "seconds": seconds,
             "rss_before": seg["rss_before"], "rss_peak": seg["rss_peak"], "rss_after": rss_after,
@@ -185,8 +186,8 @@ class Meter:
             "comm_received": received - seg["comm_before"][0], "comm_calls": calls - seg["comm_before"][1],
             "rchar": self._rchar() - seg["rchar_before"],
             # the process's CPU seconds, all threads: where a copy is slow, user or kernel side
-            "cpu_user": os.times().user - seg["cpu_before"].user,
-            "cpu_system": os.times().system - seg["cpu_before"].system,
+            "cpu_user": cpu_after.user - seg["cpu_before"].user,
+            "cpu_system": cpu_after.system - seg["cpu_before"].system,
         }
         if self.cuda:
             out.update(gpu_before=seg["gpu_before"], gpu_peak=seg["gpu_peak"])
