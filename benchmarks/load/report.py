@@ -273,7 +273,7 @@ def markdown(data: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-LOAD_LINES = ("floor", "ceiling", *DCP_AFTER, "dcp", *DCP_AFTER.values(), "transformers")  # their load step, solid
+LOAD_LINES = ("floor", "ceiling", "zload", "zload+init", "dcp", *DCP_AFTER.values(), "transformers")  # their load step, solid
 TOTAL_LINES = ("zload+init", "transformers")  # construct + load, dashed
 COLORS = {"floor": "tab:gray", "ceiling": "black", "zload": "tab:blue", "zload+init": "tab:green",
           "dcp": "tab:purple", "dcp-after-zero.Init": "tab:pink", "dcp-after-zload.init": "tab:olive",

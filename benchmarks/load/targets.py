@@ -127,12 +127,11 @@ def _dcp_and_ceiling_targets(data: dict, by_key: dict) -> list[str]:
             continue
         for peer, whose in (("dcp", "DCP's"), (DCP_AFTER[method], f"DCP's after the same construction ({method})")):
             dcp = by_key.get((size, world, peer))
-            if dcp and cold:
-                dl = dcp["median"]["load_s"]
+            dl = dcp and dcp["median"].get("load_s")
+            if dl and cold:
                 out.append(f"{label}, cold: {what} <= 0.9x {whose}: {met(zl <= 0.9 * dl)} ({fmt_s(zl)} s vs "
                            f"{fmt_s(dl)} s = {zl / dl:.2f}x)")
-            elif dcp:
-                dl = dcp["median"]["load_s"]
+            elif dl:
                 out.append(f"{label}, warm: {what} ahead of {whose}: {met(zl < dl)} ({fmt_s(zl)} s vs "
                            f"{fmt_s(dl)} s = {zl / dl:.2f}x)")
         ceiling = by_key.get((size, world, "ceiling"))
