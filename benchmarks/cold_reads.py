@@ -48,6 +48,11 @@ STRATEGIES = {
                "file (page faults, with the kernel's read-around)", {"mapped": True}),
     "contiguous 1/W": ("not zload's ranges: rank r reads the r-th contiguous 1/W of the files, "
                        "four threads (the load benchmark's ceiling)", {"threads": 4, "contiguous": True}),
+    "contiguous 1/W, 1 thread": ("the same, one thread", {"contiguous": True}),
+    "contiguous 1/W, 2 threads": ("the same, two threads", {"threads": 2, "contiguous": True}),
+    "contiguous 1/W, 8 threads": ("the same, eight threads", {"threads": 8, "contiguous": True}),
+    "contiguous 1/W, mapped": ("the same, one thread copying out of a memory map",
+                               {"mapped": True, "contiguous": True}),
 }
 
 

@@ -91,7 +91,7 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     ceiling read (``_check_dcp_and_ceiling``)."""
     data, runs, shares = _load_smoke(cache, tmp_path, "benchmarks.load", "--world", "2")
     total = data["checkpoints"][0]["checkpoint_bytes"]
-    assert set(runs) == {"floor", "ceiling", "alloc-floor", "zload", "zload+init", "dcp", "dcp-after-zero.Init",
+    assert set(runs) == {"floor", "ceiling", "ceiling-1", "alloc-floor", "zload", "zload+init", "dcp", "dcp-after-zero.Init",
                          "dcp-after-zload.init", "transformers"}
     assert runs["zload+init"]["collective_received_load"] < 1000
     assert runs["zload+init"]["collective_received_total"] < 1000  # zload.init broadcasts nothing
@@ -104,7 +104,7 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     table = (tmp_path / "load-smoke.md").read_text()
     for method in runs:
         assert f"| {method} |" in table
-    assert "| ceiling | – |" in table and "| dcp | – |" in table  # nothing timed as construction
+    assert "| ceiling | – |" in table and "| ceiling-1 | – |" in table and "| dcp | – |" in table  # nothing timed as construction
     # 3 of zload's load, 5 of zload.init's, and each of the two loads warm against DCP, alone and
     # after the same construction
     assert len(data["targets"]) == 12 and all(t.startswith(SIZE) for t in data["targets"])
@@ -125,10 +125,12 @@ def _check_dcp_and_ceiling(data: dict, runs: dict) -> None:
     assert runs["dcp"]["verified"] is True
     assert sum(runs["dcp"]["bytes_read_by_rank"]) == data["checkpoints"][0]["checkpoint_bytes"]
     assert runs["dcp"]["collective_received_load"] > 1000
-    shares = runs["ceiling"]["bytes_read_by_rank"]
-    assert sum(shares) == file_bytes and max(shares) - min(shares) <= 1
-    assert runs["ceiling"]["verified"] is None and runs["ceiling"]["collective_received_load"] == 0
-    assert runs["dcp"]["load_s"] > 0 and runs["ceiling"]["load_s"] > 0
+    for ceiling in ("ceiling", "ceiling-1"):  # four reader threads a rank, one
+        shares = runs[ceiling]["bytes_read_by_rank"]
+        assert sum(shares) == file_bytes and max(shares) - min(shares) <= 1
+        assert runs[ceiling]["verified"] is None and runs[ceiling]["collective_received_load"] == 0
+        assert runs[ceiling]["load_s"] > 0
+    assert runs["dcp"]["load_s"] > 0
     for after in ("dcp-after-zero.Init", "dcp-after-zload.init"):  # DCP's load, after a construction
         assert runs[after]["verified"] is True and runs[after]["bytes_read_by_rank"] == runs["dcp"]["bytes_read_by_rank"]
         assert runs[after]["construct_rss_growth"] is not None and runs["dcp"]["construct_rss_growth"] is None
@@ -164,9 +166,9 @@ def _entry(method: str, world: int, load_s: float) -> dict:
 def test_dcp_and_ceiling_targets_at_every_world_size(page_cache):
     """Cold: zload's load within 0.9x DCP's and at >= 85% of the ceiling's speed; warm: zload ahead of
     DCP; each judged at every world size where the methods ran, for the load into a zero.Init model
-    and, where it ran, into a zload.init one."""
+    and, where it ran, into a zload.init one. The ceiling is the faster of its two ways measured."""
     loads = {1: {"zload": 1.0, "dcp": 1.0, "ceiling": 0.9},
-             2: {"zload": 0.5, "zload+init": 0.95, "dcp": 1.0, "ceiling": 0.4,
+             2: {"zload": 0.5, "zload+init": 0.95, "dcp": 1.0, "ceiling": 0.6, "ceiling-1": 0.4,
                  "dcp-after-zero.Init": 0.5, "dcp-after-zload.init": 1.1}}
     data = {"checkpoints": [{"size": "1GB"}], "staging_bytes": 64 << 20, "page_cache": page_cache,
             "results": [_entry(m, w, s) for w, by_method in loads.items() for m, s in by_method.items()]}
@@ -179,16 +181,19 @@ def test_dcp_and_ceiling_targets_at_every_world_size(page_cache):
                             "1GB W=2, cold: zload load into a zload.init model <= 0.9x DCP's": "NOT MET",
                             "1GB W=2, cold: zload load into a zload.init model at >= 85% of the device "
                             "ceiling's speed": "NOT MET",
-                            "1GB W=2, cold: zload load <= 0.9x DCP's after the same construction (zload)": "NOT MET",
-                            "1GB W=2, cold: zload load into a zload.init model <= 0.9x DCP's after the same "
-                            "construction (zload+init)": "MET"}
+                            "1GB W=2, cold, a control, not a target: zload load <= 0.9x DCP's after the "
+                            "same construction (zero.Init)": "NOT MET",
+                            "1GB W=2, cold, a control, not a target: zload load into a zload.init model <= 0.9x DCP's "
+                            "after the same construction (zload.init)": "MET"}
+        assert "(ceiling-1 0.40 s / zload 0.50 s = 80%)" in " ".join(evaluate_targets(data))
     else:
         assert verdicts == {"1GB W=1, warm: zload load ahead of DCP's": "NOT MET",
                             "1GB W=2, warm: zload load ahead of DCP's": "MET",
                             "1GB W=2, warm: zload load into a zload.init model ahead of DCP's": "MET",
-                            "1GB W=2, warm: zload load ahead of DCP's after the same construction (zload)": "NOT MET",
-                            "1GB W=2, warm: zload load into a zload.init model ahead of DCP's after the same "
-                            "construction (zload+init)": "MET"}
+                            "1GB W=2, warm, a control, not a target: zload load ahead of DCP's after the "
+                            "same construction (zero.Init)": "NOT MET",
+                            "1GB W=2, warm, a control, not a target: zload load into a zload.init model ahead of DCP's "
+                            "after the same construction (zload.init)": "MET"}
 
 
 def test_gpu_check_smoke_run_on_cpu(cache, tmp_path):

@@ -12,7 +12,8 @@ each world size, method and run, starts a fresh world of W ranks (so peak RSS is
   preallocated buffer. Only the reads are timed: the I/O floor for a partitioned load.
 - ``ceiling``: each rank reads a contiguous 1/W span of the files (concatenated in sorted order)
   with ``os.preadv`` in 16 MiB blocks from 4 threads: the best time for the storage device to read the
-  same files with large blocks and parallel readers.
+  same files with large blocks and parallel readers. ``ceiling-1``: the same with one thread a rank
+  (faster at W=2 on this project's VM); the targets take the faster of the two measured.
 - ``alloc-floor``: each rank allocates (``torch.empty``) and touches (``fill_``) exactly its ZeRO-3
   partitions, one tensor each, in the models' dtype and where zload keeps them (the GPU where CUDA
   is): the floor for building a partitioned model.
@@ -52,7 +53,7 @@ import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 REPO = os.path.dirname(HERE)
-METHODS = ("floor", "ceiling", "alloc-floor", "zload", "zload+init", "dcp", "dcp-after-zero.Init",
+METHODS = ("floor", "ceiling", "ceiling-1", "alloc-floor", "zload", "zload+init", "dcp", "dcp-after-zero.Init",
            "dcp-after-zload.init", "transformers")
 DEFAULT_STAGING = 64 << 20  # zload's default staging_bytes (zload.execute.DEFAULT_STAGING_BYTES)
 SLACK = 64_000_000  # the memory target: growth <= staging + 64 MB

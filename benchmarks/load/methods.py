@@ -10,7 +10,7 @@ import os
 from .checkpoint import checkpoint_bytes, checkpoint_files
 
 CEILING_BLOCK = 16 << 20  # bytes per os.preadv of the device ceiling
-CEILING_THREADS = 4  # the device ceiling's parallel readers
+CEILING_THREADS = 4  # the device ceiling's parallel readers (``ceiling-1``: one)
 
 
 def ds_config() -> dict:
@@ -200,18 +200,19 @@ def ceiling_blocks(folder: str) -> list[tuple[str, int, int]]:
             for at in range(offset, offset + length, CEILING_BLOCK)]
 
 
-def ceiling(folder: str, meter, args) -> dict:
+def ceiling(folder: str, meter, args, threads: int = CEILING_THREADS) -> dict:
     """The storage device's ceiling for these files: the best time to read them with large blocks
-    and parallel readers. Each rank reads its 1/W span of the files with ``CEILING_THREADS`` threads
-    taking ``CEILING_BLOCK`` blocks in order. The bytes are discarded, so each thread reads into one
-    reused, touched block buffer rather than a span-sized one: the least memory work a read can do,
-    and no span-sized allocation raising the rank's memory."""
+    and parallel readers. Each rank reads its 1/W span of the files with ``threads`` threads
+    taking ``CEILING_BLOCK`` blocks in order (one thread a rank, as ``dd``, was the faster at W=2 on
+    this project's VM, four at W=1; the targets take the faster of the two measured). The bytes are
+    discarded, so each thread reads into one reused, touched block buffer rather than a span-sized
+    one: the least memory work a read can do, and no span-sized allocation raising the rank's memory."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
     blocks = ceiling_blocks(folder)
     free = queue.SimpleQueue()  # one buffer per thread: a block takes one and gives it back
-    for _ in range(CEILING_THREADS):
+    for _ in range(threads):
         free.put(touched_buffer(CEILING_BLOCK))
 
     def read_block(block) -> int:
@@ -226,7 +227,7 @@ def ceiling(folder: str, meter, args) -> dict:
     meter.begin("load")
     with descriptors() as fd_of:
         opened = [(fd_of(path), path, offset, n) for path, offset, n in blocks]  # opened before the threads
-        with ThreadPoolExecutor(CEILING_THREADS) as pool:
+        with ThreadPoolExecutor(threads) as pool:
             read = sum(pool.map(read_block, opened))
     meter.end("load")
     meter.end("total")
@@ -387,6 +388,7 @@ RUNNERS = {  # method -> what a worker runs: (checkpoint folder, Meter, args) ->
     "zload+init": lambda folder, meter, args: zload_load(folder, meter, args, "zload.init"),
     "transformers": transformers_load,
     "ceiling": ceiling,
+    "ceiling-1": lambda folder, meter, args: ceiling(folder, meter, args, threads=1),
     "dcp": dcp_load,
     "dcp-after-zero.Init": lambda folder, meter, args: dcp_load(folder, meter, args, "zero.Init"),
     "dcp-after-zload.init": lambda folder, meter, args: dcp_load(folder, meter, args, "zload.init"),

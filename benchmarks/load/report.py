@@ -14,10 +14,11 @@ import time
 
 from . import MB, REPO, log
 
-UNTIMED_CONSTRUCT = ("floor", "ceiling", "dcp")  # their buffers or partitions are made before timing
+CEILINGS = ("ceiling", "ceiling-1")  # the device ceiling with four reader threads a rank, with one
+UNTIMED_CONSTRUCT = ("floor", *CEILINGS, "dcp")  # their buffers or partitions are made before timing
 DCP_AFTER = {"zload": "dcp-after-zero.Init", "zload+init": "dcp-after-zload.init"}  # DCP after zload's construction
-NO_CONSTRUCT_PLUS_LOAD = ("floor", "alloc-floor", "ceiling", "dcp", *DCP_AFTER.values())  # no sum to show
-NO_COLLECTIVES = ("floor", "alloc-floor", "ceiling")
+NO_CONSTRUCT_PLUS_LOAD = ("floor", "alloc-floor", *CEILINGS, "dcp", *DCP_AFTER.values())  # no sum to show
+NO_COLLECTIVES = ("floor", "alloc-floor", *CEILINGS)
 READ_NOTES = {"transformers": " (rank 0 only)", **{m: " (its rows, estimated)" for m in ("dcp", *DCP_AFTER.values())}}
 
 
@@ -264,8 +265,9 @@ def markdown(data: dict) -> str:
               "the load and during construct + load; for zload that is its small agreement exchanges "
               "(its `bytes_sent + bytes_received`, for ranks lacking a file, is 0 on one machine). "
               "*load CPU s* is the process's user and system CPU seconds during the load, all its "
-              "threads (`os.times`): a copy made slow shows on the side that copies (the kernel's, "
-              "out of the page cache, for zload's reads; DCP's, out of a memory map, in user space)."),
+              "threads (`os.times`), each the largest over ranks on its own (they may be two ranks'). "
+              "zload's reads (`pread`) copy out of the page cache in the kernel, as system time; DCP "
+              "copies out of a memory map in user space, as user time (its page faults are system time)."),
               ""]
     if data.get("notes"):
         lines += [f"- {note}" for note in data["notes"]] + [""]
@@ -273,9 +275,9 @@ def markdown(data: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-LOAD_LINES = ("floor", "ceiling", "zload", "zload+init", "dcp", *DCP_AFTER.values(), "transformers")  # their load step, solid
+LOAD_LINES = ("floor", *CEILINGS, "zload", "zload+init", "dcp", *DCP_AFTER.values(), "transformers")  # their load step, solid
 TOTAL_LINES = ("zload+init", "transformers")  # construct + load, dashed
-COLORS = {"floor": "tab:gray", "ceiling": "black", "zload": "tab:blue", "zload+init": "tab:green",
+COLORS = {"floor": "tab:gray", "ceiling": "black", "ceiling-1": "tab:brown", "zload": "tab:blue", "zload+init": "tab:green",
           "dcp": "tab:purple", "dcp-after-zero.Init": "tab:pink", "dcp-after-zload.init": "tab:olive",
           "transformers": "tab:red"}
 
