@@ -158,16 +158,18 @@ def test_convert_benchmark_checks_and_reports_every_method(cache, tmp_path):
     assert all(f"| {method} |" in table for method in methods)
 
 
-def test_no_method_always_follows_the_same_one():
-    """Rounds alternate the order: a method's cold load may depend on what ran just before it (a world
-    that built a zero.Init model slowed the next on this project's VM), so none always follows one."""
-    methods = ["floor", "ceiling", "zload", "zload+init", "dcp"]
-    rounds = [run_order(methods, run) for run in range(4)]
-    sequence = [m for order in rounds for m in order]
+@pytest.mark.parametrize("methods", [["floor", "ceiling", "zload", "zload+init", "dcp"],
+                                     ["floor", "ceiling", "ceiling-1", "zload", "zload+init", "dcp"]])
+def test_no_method_mostly_follows_the_same_one(methods):
+    """A method's cold load may depend on what ran just before it (a world that built a zero.Init model
+    slowed the next on this project's VM): over five rounds each method follows at least three
+    others and none in more than two rounds; each round is every method once."""
+    rounds = [run_order(methods, run) for run in range(5)]
     assert all(sorted(order) == sorted(methods) for order in rounds)
+    sequence = [m for order in rounds for m in order]
     for method in methods:
-        before = {sequence[i - 1] for i in range(1, len(sequence)) if sequence[i] == method}
-        assert len(before) >= 2, (method, before)
+        before = [sequence[i - 1] for i in range(1, len(sequence)) if sequence[i] == method != sequence[i - 1]]
+        assert len(set(before)) >= 3 and max(map(before.count, before)) <= 2, (method, before)
 
 
 def _entry(method: str, world: int, load_s: float) -> dict:
@@ -198,7 +200,10 @@ def test_dcp_and_ceiling_targets_at_every_world_size(page_cache):
                             "same construction (zero.Init)": "NOT MET",
                             "1GB W=2, cold, a control, not a target: zload load into a zload.init model <= 0.9x DCP's "
                             "after the same construction (zload.init)": "MET"}
-        assert "(ceiling-1 0.40 s / zload 0.50 s = 80%)" in " ".join(evaluate_targets(data))
+        assert "(ceiling-1 0.40 s / zload 0.50 s = 80%; ceiling 0.60 s)" in " ".join(evaluate_targets(data))
+        one_reader = next(e for e in data["results"] if e["method"] == "ceiling-1")
+        del one_reader["median"]["load_s"]  # a ceiling without a load time is left out
+        assert "(ceiling 0.60 s / zload 0.50 s = 120%)" in " ".join(evaluate_targets(data))
     else:
         assert verdicts == {"1GB W=1, warm: zload load ahead of DCP's": "NOT MET",
                             "1GB W=2, warm: zload load ahead of DCP's": "MET",

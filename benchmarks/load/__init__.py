@@ -13,7 +13,7 @@ each world size, method and run, starts a fresh world of W ranks (so peak RSS is
 - ``ceiling``: each rank reads a contiguous 1/W span of the files (concatenated in sorted order)
   with ``os.preadv`` in 16 MiB blocks from 4 threads: the best time for the storage device to read the
   same files with large blocks and parallel readers. ``ceiling-1``: the same with one thread a rank
-  (faster at 300 MB W=2 in ``benchmarks.cold_reads`` here); the targets take the faster of the two measured.
+  (narrowly faster at 300 MB W=2 here, slower elsewhere); the targets take the faster of the two measured.
 - ``alloc-floor``: each rank allocates (``torch.empty``) and touches (``fill_``) exactly its ZeRO-3
   partitions, one tensor each, in the models' dtype and where zload keeps them (the GPU where CUDA
   is): the floor for building a partitioned model.

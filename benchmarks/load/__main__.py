@@ -86,11 +86,17 @@ def parse_args(argv=None):
 
 
 def run_order(methods: list[str], run: int) -> list[str]:
-    """The methods of one round: interleaved, so drift affects every method alike, and in reverse
-    every other round, so no method always follows the same one. On this project's VM a cold load
-    right after a world that built a zero.Init model ran slower (300 MB W=2: 0.19 s against 0.15 s
-    after a small one), and the method after ``zload`` always paid it."""
-    return list(methods) if run % 2 == 0 else list(reversed(methods))
+    """The methods of one round: interleaved, so drift affects every method alike, in the rows of a
+    Williams design (for an odd n each row and then its mirror), so that what runs just before a method
+    changes from round to round and over n rounds (2n for an odd n) each method follows every other
+    equally often. On this project's VM zload.init's cold load at 300 MB W=2 took 0.19 s right after
+    zload's zero.Init world against 0.15 s first in its round, and with a fixed order it always came
+    after zload. Each run records the method measured before it (``after``)."""
+    n = len(methods)
+    steps = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    row = run // 2 if n % 2 else run
+    order = [methods[(step + row) % n] for step in steps]
+    return order[::-1] if n % 2 and run % 2 else order
 
 
 def main(argv=None) -> int:
@@ -172,6 +178,7 @@ def main(argv=None) -> int:
         for label, folder, total, w in plan:
             entries = {m: {"size": label, "checkpoint_bytes": total, "world": w, "method": m, "runs": []}
                        for m in methods}
+            previous = None  # the method measured just before, in this size and world
             for run in range(max(runs_for.values())):
                 for method in run_order(methods, run):
                     if run >= runs_for[method]:
@@ -197,6 +204,7 @@ def main(argv=None) -> int:
                     if not lead:
                         continue
                     summary = summarize_run(ranks)
+                    summary["after"], previous = previous, method
                     entries[method]["runs"].append(summary)
                     if summary["verified"] is False:
                         raise RuntimeError(f"{method} at world {w}: partitions differ from the checkpoint: "

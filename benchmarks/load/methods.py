@@ -202,10 +202,10 @@ def ceiling_blocks(folder: str) -> list[tuple[str, int, int]]:
 
 def ceiling(folder: str, meter, args, threads: int = CEILING_THREADS) -> dict:
     """The storage device's ceiling for these files: the best time to read them with large blocks
-    and parallel readers. Each rank reads its 1/W span of the files with ``threads`` threads
-    taking ``CEILING_BLOCK`` blocks in order (``ceiling-1``: one thread a rank, as ``dd``; it was the
-    faster in ``benchmarks.cold_reads`` at 300 MB W=2, not in the load benchmark; the targets take
-    the faster of the two measured). The bytes are
+    (and, but for ``ceiling-1``, parallel readers). Each rank reads its 1/W span of the files with
+    ``threads`` threads taking ``CEILING_BLOCK`` blocks in order (``ceiling-1``: one thread a rank,
+    as ``dd``; the faster of the two only at 300 MB W=2 so far, narrowly; the targets take the
+    faster of those measured). The bytes are
     discarded, so each thread reads into one reused, touched block buffer rather than a span-sized
     one: the least memory work a read can do, and no span-sized allocation raising the rank's memory."""
     import queue
