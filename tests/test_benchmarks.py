@@ -299,6 +299,12 @@ def test_plot_shows_seconds_and_throughput_against_size_with_the_speed_up(tmp_pa
     # both zload loads have a load line, and so does a DCP control
     assert {line.get_label() for line in throughput.lines} == {"floor", "zload", "zload+init", "dcp-after-zero.Init",
                                                                "transformers"}
+    assert "speed-up over transformers" in seconds.get_title()
+    # without transformers there is no speed-up to label, and the title does not promise one
+    saved.clear()
+    plot({"results": [e for e in results if e["method"] != "transformers"], "backend": "gloo",
+          "host": {"cpu": "x", "cpu_cores_usable": 2}}, str(tmp_path / "p.png"))
+    assert "transformers" not in saved[0].axes[0].get_title() and not saved[0].axes[0].texts
 
 
 def test_a_cold_worker_empties_the_cache_again_as_its_timed_load_begins(tmp_path):

@@ -319,7 +319,8 @@ def plot(data: dict, path: str) -> None:
                                      mine["median"][key]), textcoords="offset points", xytext=(6, -12),
                                      fontsize=8, color=COLORS[zload])
         seconds.set(xscale="log", yscale="log", xlabel="checkpoint GB", ylabel="seconds (median, slowest rank)",
-                    title=f"W={world}: seconds (labels: zload's speed-up over transformers)")
+                    title=f"W={world}: seconds" + (" (labels: zload's speed-up over transformers)"
+                                                   if "transformers" in by_method else ""))
         throughput.set(xscale="log", xlabel="checkpoint GB", ylabel="GB/s (checkpoint bytes / load s)",
                        title=f"W={world}: load throughput; thick grey: the I/O floor")
         sizes = sorted({e["checkpoint_bytes"] / 1e9 for es in by_method.values() for e in es})
