@@ -285,7 +285,7 @@ COLORS = {"floor": "tab:gray", "ceiling": "black", "ceiling-1": "tab:brown", "zl
 def plot(data: dict, path: str) -> None:
     """Per world size: seconds against checkpoint size (log-log, a line per method; zload+init and
     transformers also as construct + load), and load throughput against the I/O floor's, with
-    zload's speed-up over transformers written at each size."""
+    zload's speed-up over transformers written at each size where both ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -320,7 +320,7 @@ def plot(data: dict, path: str) -> None:
                                      fontsize=8, color=COLORS[zload])
         seconds.set(xscale="log", yscale="log", xlabel="checkpoint GB", ylabel="seconds (median, slowest rank)",
                     title=f"W={world}: seconds" + (" (labels: zload's speed-up over transformers)"
-                                                   if "transformers" in by_method else ""))
+                                                   if seconds.texts else ""))
         throughput.set(xscale="log", xlabel="checkpoint GB", ylabel="GB/s (checkpoint bytes / load s)",
                        title=f"W={world}: load throughput; thick grey: the I/O floor")
         sizes = sorted({e["checkpoint_bytes"] / 1e9 for es in by_method.values() for e in es})
