@@ -226,3 +226,43 @@ def test_hints_never_block_a_read_when_mincore_is_unavailable(big_file, hints, m
     evict(path)
     read_in_pieces(path, data)
     assert hints == []
+
+
+class TwoBigTensors(torch.nn.Module):
+    """Large enough (8 MB) that the header and digest reads leave most pages uncached; odd sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.empty(1023, 1025))
+        self.b = torch.nn.Parameter(torch.empty(1_000_003))
+
+
+def _cold_load_with_one_reader(path):
+    """A rank of a ZeRO-3 world loading with one reader thread (so it hints), counting its hints."""
+    from .zero3 import build_zero, check_against, load_expected
+
+    model = build_zero(TwoBigTensors)
+    given, real_prefetch, real_count = [], pagecache.prefetch, execute_module.reader_count
+    pagecache.prefetch = lambda *span: given.append(span) or real_prefetch(*span)
+    execute_module.reader_count = lambda: 1
+    try:
+        from zload import load_into
+
+        load_into(model, path)
+    finally:
+        pagecache.prefetch, execute_module.reader_count = real_prefetch, real_count
+    return check_against(model, load_expected(path)), len(given)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_cold_zero3_load_is_hinted_and_bit_exact_at_every_rank(tmp_path, world):
+    """The whole path in a real DeepSpeed world: every rank of a load from an emptied page cache
+    hints what it reads, and the partitions equal the checkpoint's bytes, at a world size that
+    divides the tensors and one that does not."""
+    from .harness import run_world
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.randn(1023, 1025), "b": torch.randn(1_000_003)}, str(path))
+    skip_unless_evictable(path)
+    for compared, hinted in run_world(world, _cold_load_with_one_reader, path):
+        assert compared == 2 and hinted > 0
