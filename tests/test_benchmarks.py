@@ -262,6 +262,8 @@ def test_cold_load_benchmark_empties_the_page_cache_before_each_measurement(cach
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     warm = json.loads((tmp_path / "load-warm.json").read_text())
     assert [(r["method"], len(r["runs"])) for r in warm["results"]] == [("floor", 2), ("zload", 2)]
+    zload_runs = next(r["runs"] for r in warm["results"] if r["method"] == "zload")
+    assert zload_runs[0]["after"] == "dcp (failed)"  # the failed world ran just before it
     assert warm["notes"] == [f"dcp at {SIZE} W=1 failed in run 1 (the end of its log is in this command's "
                              "output) and was not run again"]
     assert "dcp at world 1 failed (" in done.stdout and not list((tmp_path / "tmp").glob("zload-bench-*"))
