@@ -247,5 +247,15 @@ def test_cli_under_torchrun(zero3_w2, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("zload: saved") == 2
+    # gloo sometimes aborts at interpreter exit after the work is done; a finished conversion must
+    # still exit 0: here every rank's teardown aborts (an exit handler that calls abort)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import atexit, os\nif 'LOCAL_RANK' in os.environ: atexit.register(os.abort)\n")
+    cmd[-1] = str(tmp_path / "aborting")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**env, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _files(tmp_path / "aborting") == _files(tmp_path / "out")
     zload.convert(zero3_w2.folder, tmp_path / "one")
     assert _files(tmp_path / "out") == _files(tmp_path / "one")
