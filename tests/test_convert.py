@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -252,10 +253,13 @@ def test_cli_under_torchrun(zero3_w2, tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text("import atexit, os\nif 'LOCAL_RANK' in os.environ: atexit.register(os.abort)\n")
+    aborting = {**env, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
+    control = subprocess.run([sys.executable, "-c", "pass"], env={**aborting, "LOCAL_RANK": "0"}, timeout=60)
+    assert control.returncode == -signal.SIGABRT  # the hook is in force: any normal exit aborts
     cmd[-1] = str(tmp_path / "aborting")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**env, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=aborting)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("zload: saved") == 2  # the report is printed before leaving
     assert _files(tmp_path / "aborting") == _files(tmp_path / "out")
     zload.convert(zero3_w2.folder, tmp_path / "one")
     assert _files(tmp_path / "out") == _files(tmp_path / "one")

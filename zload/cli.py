@@ -300,8 +300,8 @@ def _convert(args) -> int:
 def _exit_skipping_teardown(status: int) -> None:
     """Leave a torchrun process whose work is done without the interpreter's teardown, where gloo
     sometimes aborts ("terminate called without an active exception", even after
-    ``destroy_process_group``; about one exit in four on this project's VM after a few loads), so
-    that torchrun would report a finished conversion as failed."""
+    ``destroy_process_group``; 5 of 24 runs of a script doing a few loads on this project's VM);
+    torchrun would then report a finished conversion as failed."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -356,7 +356,9 @@ def _run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``zload`` command line; returns the exit status (also for argparse errors)."""
+    """Run the ``zload`` command line; returns the exit status (also for argparse errors), but for
+    ``convert`` in a torchrun process (``WORLD_SIZE`` > 1, no process group yet), which on success
+    ends the process (exit status 0) rather than return."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, usage errors: argparse has printed the message

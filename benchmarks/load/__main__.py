@@ -91,7 +91,7 @@ def run_order(methods: list[str], run: int) -> list[str]:
     changes from round to round and over n rounds (2n for an odd n) each method follows every other
     equally often. On this project's VM zload.init's cold load at 300 MB W=2 took 0.19 s right after
     zload's zero.Init world against 0.15 s first in its round, and with a fixed order it always came
-    after zload. Each run records the method measured before it (``after``; "dcp (failed)" after a failed world)."""
+    after zload. Each run records the method measured before it (``after``; "METHOD (failed)" after a failed world)."""
     n = len(methods)
     steps = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
     row = run // 2 if n % 2 else run
