@@ -36,5 +36,5 @@ def test_every_python_snippet_in_the_readme_runs(tmp_path):
                            "--nproc_per_node", "2", str(script)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     errors = [line for line in done.stderr.splitlines() if "Error" in line or "error:" in line]
-    assert done.returncode == 0, "\n".join(errors[:20]) or done.stderr[-6000:]
+    assert done.returncode == 0, "\n".join(errors[:20]) + "\n--- the end of stderr:\n" + done.stderr[-6000:]
     assert (tmp_path / "checkpoints" / "step-1000").is_dir()  # the saving snippet wrote there
