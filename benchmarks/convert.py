@@ -52,7 +52,8 @@ METHODS = {  # name -> command, with CHECKPOINT and OUT filled in
 
 
 def build(folder: str, config_json: str) -> None:
-    """One rank of the 2-rank world that writes the checkpoint (``--build``, under torchrun)."""
+    """One rank of the 2-rank world that writes the checkpoint (``--build``, under torchrun); ends
+    the process."""
     import deepspeed
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM  # before zero.Init, which their import fails under
@@ -70,6 +71,12 @@ def build(folder: str, config_json: str) -> None:
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()  # AdamW's moments exist, as in every checkpoint of a training run
     engine.save_checkpoint(folder)
+    # Every rank has written its files once all pass this barrier. Leave without the interpreter's
+    # teardown, where gloo sometimes aborts (SIGABRT in one rank: torchrun fails a finished build).
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def ensure_checkpoint(cache: str, masters: int) -> str:
@@ -86,7 +93,8 @@ def ensure_checkpoint(cache: str, masters: int) -> str:
     tmp = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".tmp-", dir=cache)
     started = time.perf_counter()
     config.to_json_file(os.path.join(tmp, "config.json"))
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     "-m", "benchmarks.convert", "--build", tmp], check=True, cwd=REPO, env=env,
                    stdout=subprocess.DEVNULL)
@@ -231,8 +239,7 @@ def main(argv=None) -> int:
     p.add_argument("--build", metavar="FOLDER", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.build:
-        build(args.build, os.path.join(args.build, "config.json"))
-        return 0
+        build(args.build, os.path.join(args.build, "config.json"))  # does not return
     results = [measure_size(name, nbytes, args) for name, nbytes, _ in args.size]
     save_results(args.out, f"convert-{args.name}", "python -m benchmarks.convert " + " ".join(argv), results,
                  markdown)
