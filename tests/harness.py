@@ -15,7 +15,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 
@@ -155,3 +158,16 @@ def run_world(size: int, fn, *args, **kwargs) -> list:
 def close_worlds() -> None:
     while _worlds:
         _worlds.popitem()[1].close()
+
+
+def exit_aborting_hook(folder) -> str:
+    """A folder for PYTHONPATH whose ``sitecustomize`` makes every torchrun worker (``LOCAL_RANK``
+    set) abort at interpreter exit, as gloo sometimes does after the work is done; checked to be in
+    force."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write("import atexit, os\nif 'LOCAL_RANK' in os.environ: atexit.register(os.abort)\n")
+    control = subprocess.run([sys.executable, "-c", "pass"], timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(folder), "LOCAL_RANK": "0"})
+    assert control.returncode == -signal.SIGABRT, control
+    return str(folder)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from benchmarks.load.launch import scratch_folders
 from benchmarks.load.report import write_outputs
 from benchmarks.load.targets import evaluate_targets
 from zload.kernels.torch_scatter import scatter_cast_torch
+
+from .harness import exit_aborting_hook
 
 REPO = Path(__file__).resolve().parent.parent
 SIZE = "20MB"
@@ -149,13 +150,8 @@ def test_convert_benchmark_checks_and_reports_every_method(cache, tmp_path):
     method, with zload's own seconds where it reports them. gloo sometimes aborts at interpreter exit
     after the work is done; here every torchrun rank's exit aborts (an exit handler), and the 2-rank
     steps still succeed."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text("import atexit, os\nif 'LOCAL_RANK' in os.environ: atexit.register(os.abort)\n")
-    control = subprocess.run([sys.executable, "-c", "pass"], env={**os.environ, "PYTHONPATH": str(hook), "LOCAL_RANK": "0"})
-    assert control.returncode == -signal.SIGABRT  # the hook is in force
     run_module(tmp_path, "benchmarks.convert", "--size", SIZE, "--runs", "1", "--cache", cache, "--out", tmp_path,
-               "--name", "smoke", env={"PYTHONPATH": str(hook)})
+               "--name", "smoke", env={"PYTHONPATH": exit_aborting_hook(tmp_path / "hook")})
     data = json.loads((tmp_path / "convert-smoke.json").read_text())
     methods = data["results"][0]["methods"]
     assert list(methods) == ["zero_to_fp32", "zload", "zload, 2 processes", "import only"]

@@ -13,7 +13,6 @@ import errno
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from zload.converting import byte_share
 from zload.save_plan import OutTensor, layout
 
 from .checkpoints import read_all
-from .harness import run_world
+from .harness import exit_aborting_hook, run_world
 from .models import tiny_llama_config
 from .native_checkpoints import NativeCase, deepspeed_reference, zload_reference
 from .test_native_checkpoints import CASES
@@ -250,12 +249,7 @@ def test_cli_under_torchrun(zero3_w2, tmp_path):
     assert done.stdout.count("zload: saved") == 2
     # gloo sometimes aborts at interpreter exit after the work is done; a finished conversion must
     # still exit 0: here every rank's teardown aborts (an exit handler that calls abort)
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text("import atexit, os\nif 'LOCAL_RANK' in os.environ: atexit.register(os.abort)\n")
-    aborting = {**env, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
-    control = subprocess.run([sys.executable, "-c", "pass"], env={**aborting, "LOCAL_RANK": "0"}, timeout=60)
-    assert control.returncode == -signal.SIGABRT  # the hook is in force: any normal exit aborts
+    aborting = {**env, "PYTHONPATH": f"{exit_aborting_hook(tmp_path / 'hook')}{os.pathsep}{REPO}"}
     cmd[-1] = str(tmp_path / "aborting")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=aborting)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
