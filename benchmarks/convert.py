@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from .load import HERE, MB, REPO, log
+from .load import HERE, MB, REPO, exit_without_teardown, log
 from .load.checkpoint import llama_config, parse_size_spec, warm_page_cache
 from .load.report import save_results
 
@@ -74,9 +74,7 @@ def build(folder: str, config_json: str) -> None:
     # Every rank has written its files once all pass this barrier. Leave without the interpreter's
     # teardown, where gloo sometimes aborts (SIGABRT in one rank: torchrun fails a finished build).
     torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown(0)
 
 
 def ensure_checkpoint(cache: str, masters: int) -> str:

@@ -356,6 +356,25 @@ def test_cold_reads_benchmark_times_each_strategy_from_an_empty_cache(cache, tmp
     assert "| O_DIRECT |" in (tmp_path / "cold-reads-t.md").read_text()
 
 
+def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache, tmp_path):
+    """World sizes 1 and 3 (which divides no tensor), every rank's exit aborting as gloo's
+    sometimes does after the work is done."""
+    run_module(tmp_path, "benchmarks.cold_one_world", "--size", SIZE, "--world", "1", "3", "--rounds", "2",
+               "--cache", cache, "--out", tmp_path, "--name", "t",
+               env={"PYTHONPATH": exit_aborting_hook(tmp_path / "hook")})
+    data = json.loads((tmp_path / "cold-one-world-t.json").read_text())
+    methods = ["zload+init", "zload", "dcp", "ceiling", "ceiling-1"]
+    assert data["highest_residency_before"] is None or data["highest_residency_before"] <= 0.1
+    for world in (1, 3):
+        got = data["worlds"][str(world)]
+        assert list(got["seconds"]) == methods and all(len(s) == 2 and min(s) > 0 for s in got["seconds"].values())
+        assert len(got["residency"]) == 2 * len(methods)  # one eviction before each measurement
+        assert len(got["checks"]) == world  # every rank's partitions and shards checked
+        assert all(set(c) == {"zload+init", "zload", "dcp"} and all(v["ok"] for v in c.values()) for c in got["checks"])
+    table = (tmp_path / "cold-one-world-t.md").read_text()
+    assert "| zload+init / dcp |" in table and "| zload / zload+init |" in table and "| dcp / ceiling-1 |" in table
+
+
 def test_load_benchmark_modules_stay_small():
     """One concern per module: the benchmark is a package, no module of it over 400 lines."""
     sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "benchmarks" / "load").glob("*.py")}

@@ -80,22 +80,28 @@ def _read_ranks(result_dir: str, world: int) -> list[dict]:
     return ranks
 
 
+def launch_local(worker_args: list[str], world: int, args, log_path: str, what: str) -> None:
+    """Run one world of ``world`` ranks on this machine with torchrun, each rank ``python
+    WORKER_ARGS`` in ``args.snapshot``; raise, with the end of its log, if it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *worker_args]
+    with open(log_path, "w") as out:
+        try:
+            rc = subprocess.call(cmd, env=_worker_env(world, args.snapshot), stdout=out, stderr=subprocess.STDOUT,
+                                 timeout=args.timeout, cwd=args.snapshot)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0:
+        with open(log_path) as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"{what} failed ({rc}); log {log_path}:\n{tail}")
+
+
 def measure_local(method: str, world: int, folder: str, args, log_path: str) -> list[dict]:
     """Launch one world of ``world`` ranks on this machine with torchrun; per-rank results."""
     with tempfile.TemporaryDirectory(prefix="zload-bench-") as result_dir:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               *_worker_args(method, folder, result_dir, args)]
-        with open(log_path, "w") as out:
-            try:
-                rc = subprocess.call(cmd, env=_worker_env(world, args.snapshot), stdout=out, stderr=subprocess.STDOUT,
-                                     timeout=args.timeout, cwd=args.snapshot)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        if rc != 0:
-            with open(log_path) as f:
-                tail = f.read()[-4000:]
-            raise RuntimeError(f"{method} at world {world} failed ({rc}); log {log_path}:\n{tail}")
+        launch_local(_worker_args(method, folder, result_dir, args), world, args, log_path,
+                     f"{method} at world {world}")
         return _read_ranks(result_dir, world)
 
 

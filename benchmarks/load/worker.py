@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 
+from . import exit_without_teardown
 from .checkpoint import evict_page_cache, page_cache_residency
 from .methods import RUNNERS, partition_bytes
 
@@ -256,8 +256,4 @@ def worker_main(args) -> None:
     except BaseException:  # noqa: BLE001 - report, then leave with a failing status
         traceback.print_exc()
         rc = 1
-    # Leave without tearing down the process group: gloo sometimes aborts at interpreter exit after
-    # DeepSpeed (see examples/demo.py), which would fail a measurement that has already finished.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    exit_without_teardown(rc)
