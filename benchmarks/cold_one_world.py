@@ -1,6 +1,6 @@
 """Cold loads in one world, side by side: zload, PyTorch DCP's reader and the device ceilings.
 
-    python -m benchmarks.cold_one_world --size 300MB --world 1 2 --rounds 10
+    python -m benchmarks.cold_one_world --size 300MB 1.2GB 2.4GB@2 --world 1 2 --rounds 10
 
 The load benchmark's ``--cold`` mode starts a fresh world for every measurement, so each of its
 numbers also carries W process starts, the model's construction and what the machine did just
@@ -11,7 +11,7 @@ after round, the checkpoint's page cache is emptied before each method and the m
 barrier to barrier (the slowest rank), the order of the methods reversed every other round. So
 what differs between the methods is what they read and copy, and the two zload loads differ only
 in the model they write into. The loads are checked against the checkpoint after the last round
-(but with ``--no-verify``). Results: ``OUT/cold-one-world-<name>.{json,md}``.
+(but with ``--no-verify``). Results: ``OUT/cold-one-world-<name>.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from .load import MB, REPO, exit_without_teardown, log
+from .load import REPO, exit_without_teardown, log
 from .load.checkpoint import checkpoint_bytes, checkpoint_dir, ensure_checkpoint, evict_page_cache, llama_config, \
-    parse_bytes
+    parse_size_spec
 from .load.launch import launch_local, scratch_folders
+from .load.report import save_results
 
 METHODS = {  # name (as the load benchmark's) -> what it times
     "zload+init": "`zload.load_into` into the model built under `zload.init`",
@@ -146,30 +147,63 @@ def worker(args) -> None:
     exit_without_teardown(status)
 
 
-def _table(data: dict, worlds: list[int], methods: list[str]) -> list[str]:
-    total = data["bytes"]
-    lines = ["| method | what it times | " + " | ".join(f"W={w} s (GB/s)" for w in worlds) + " |",
-             "|---|---|" + "---:|" * len(worlds)]
+def _label(point: dict) -> str:
+    return f"{point['size']} W={point['world']}"
+
+
+def markdown(data: dict) -> str:
+    """The command, how it measured, seconds (GB/s) per method and point, then the ratios."""
+    points, methods = data["results"], list(data["results"][0]["median"])
+    residency = [r for p in points for r in p["residency"] if r is not None]
+    checked = ("every rank's loads checked against the checkpoint after the last round"
+               if all(p["checks"] and all(c for c in p["checks"]) for p in points) else "not checked")
+    lines = [f"`{data['command']}`", "",
+             f"One world per point, page cache emptied before every measurement (highest residency left: "
+             f"{max(residency, default=None)}); median of {len(points[0]['seconds'][methods[0]])} rounds, the "
+             f"order reversed every other round; the slowest rank's seconds (GB/s: tensor bytes / seconds); "
+             f"{checked}.", "",
+             "| method | what it times | " + " | ".join(map(_label, points)) + " |",
+             "|---|---|" + "---:|" * len(points)]
     for name in methods:
-        cells = [f"{m:.3f} ({total / m / 1e9:.2f})" for m in (data["median"][str(w)][name] for w in worlds)]
+        cells = [f"{p['median'][name]:.3f} ({p['bytes'] / p['median'][name] / 1e9:.2f})" for p in points]
         lines.append(f"| {name} | {METHODS[name]} | " + " | ".join(cells) + " |")
-    lines += ["", "| ratio of medians | " + " | ".join(f"W={w}" for w in worlds) + " |",
-              "|---|" + "---:|" * len(worlds)]
-    ratios = [("zload+init / dcp", "zload+init", "dcp"), ("zload / dcp", "zload", "dcp"),
-              ("zload / zload+init", "zload", "zload+init")]
-    ceilings = [c for c in ("ceiling", "ceiling-1") if c in methods]
-    for name in ("zload+init", "zload", "dcp"):
-        ratios += [(f"{name} / {c}", name, c) for c in ceilings]
+    lines += ["", "| ratio of medians | " + " | ".join(map(_label, points)) + " |", "|---|" + "---:|" * len(points)]
+    ratios = [(f"{a} / {b}", a, b) for a, b in (("zload+init", "dcp"), ("zload", "dcp"), ("zload", "zload+init"))]
+    ratios += [(f"{a} / {c}", a, c) for a in ("zload+init", "zload", "dcp") for c in ("ceiling", "ceiling-1")]
     for label, a, b in ratios:
         if a in methods and b in methods:
-            cells = [f"{data['median'][str(w)][a] / data['median'][str(w)][b]:.2f}x" for w in worlds]
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return lines
+            lines.append(f"| {label} | " + " | ".join(f"{p['median'][a] / p['median'][b]:.2f}x" for p in points) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(data: dict, path: str) -> None:
+    """GB/s of each method at each point, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points, methods = data["results"], list(data["results"][0]["median"])
+    fig, ax = plt.subplots(figsize=(2.2 * len(points) + 3, 4.2))
+    width = 0.8 / len(methods)
+    for i, name in enumerate(methods):
+        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(points))]
+        ax.bar(xs, [p["bytes"] / p["median"][name] / 1e9 for p in points], width, label=name)
+    ax.set_xticks(range(len(points)), [_label(p) for p in points])
+    ax.set(ylabel="GB/s (tensor bytes / median load s)",
+           title=f"cold loads in one world, the page cache emptied before each ({data['host']['cpu_cores_usable']} "
+                 f"cores, {data['date']})")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cold_one_world", description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="300MB", help="checkpoint size, as the load benchmark's --size")
+    p.add_argument("--size", nargs="+", type=parse_size_spec, default=None,
+                   help="checkpoint sizes, as the load benchmark's --size (600MB@2: at world size 2 only); "
+                        "default 300MB")
     p.add_argument("--world", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
@@ -185,42 +219,34 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    config = llama_config(parse_bytes(args.size))
-    folder = checkpoint_dir(args.cache, config, args.shard_size)
-    ensure_checkpoint(folder, config, args.shard_size)
-    data = {"command": "python -m benchmarks.cold_one_world " + shlex.join(sys.argv[1:]), "checkpoint": folder,
-            "bytes": checkpoint_bytes(folder), "rounds": args.rounds, "worlds": {}, "median": {}}
+    points = []
     with scratch_folders() as (args.snapshot, logs), tempfile.TemporaryDirectory(prefix="zload-bench-") as results:
-        for world in args.world:
-            result = os.path.join(results, f"world{world}.json")
-            log(f"world {world}: building, then {args.rounds} cold rounds of {', '.join(args.methods)}")
-            launch_local(["-m", "benchmarks.cold_one_world", "--worker", "--checkpoint", folder, "--result", result,
-                          "--rounds", str(args.rounds), "--methods", *args.methods]
-                         + ([] if args.verify else ["--no-verify"]),
-                         world, args, os.path.join(logs, f"world{world}.log"), f"the cold rounds at world {world}")
-            with open(result) as f:
-                got = json.load(f)
-            failed = {f"{name} on rank {rank}": check for rank, checks in enumerate(got["checks"])
-                      for name, check in checks.items() if not check["ok"]}
-            if failed:
-                raise RuntimeError(f"world {world}: a load differs from the checkpoint: {failed}")
-            data["worlds"][str(world)] = got
-            data["median"][str(world)] = {name: statistics.median(s) for name, s in got["seconds"].items()}
-    residency = [r for got in data["worlds"].values() for r in got["residency"] if r is not None]
-    data["highest_residency_before"] = max(residency, default=None)
-    checked = "each load checked against the checkpoint after the last round" if args.verify else "not checked"
-    lines = [f"`{data['command']}`", "",
-             f"{data['bytes'] / MB:,.0f} MB of tensors; one world per W, page cache emptied before every "
-             f"measurement (highest residency left: {data['highest_residency_before']}); median of "
-             f"{args.rounds} rounds, the order reversed every other round; the slowest rank's seconds; "
-             f"{checked}.", "", *_table(data, args.world, args.methods)]
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"cold-one-world-{args.name}")
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        for size, nbytes, worlds in args.size or [parse_size_spec("300MB")]:
+            config = llama_config(nbytes)
+            folder = checkpoint_dir(args.cache, config, args.shard_size)
+            ensure_checkpoint(folder, config, args.shard_size)
+            for world in worlds or args.world:
+                what = f"{size} at world {world}"
+                result = os.path.join(results, f"{size}-{world}.json")
+                log(f"{what}: building, then {args.rounds} cold rounds of {', '.join(args.methods)}")
+                launch_local(["-m", "benchmarks.cold_one_world", "--worker", "--checkpoint", folder, "--result",
+                              result, "--rounds", str(args.rounds), "--methods", *args.methods]
+                             + ([] if args.verify else ["--no-verify"]),
+                             world, args, os.path.join(logs, f"{size}-{world}.log"), f"the cold rounds of {what}")
+                with open(result) as f:
+                    got = json.load(f)
+                failed = {f"{name} on rank {rank}": check for rank, checks in enumerate(got["checks"])
+                          for name, check in checks.items() if not check["ok"]}
+                if failed:
+                    raise RuntimeError(f"{what}: a load differs from the checkpoint: {failed}")
+                points.append({"size": size, "bytes": checkpoint_bytes(folder), "world": world, "checkpoint": folder,
+                               **got, "median": {name: statistics.median(s) for name, s in got["seconds"].items()}})
+    command = "python -m benchmarks.cold_one_world " + shlex.join(sys.argv[1:])
+    data = save_results(args.out, f"cold-one-world-{args.name}", command, points, markdown)
+    try:
+        plot(data, os.path.join(args.out, f"cold-one-world-{args.name}.png"))
+    except ImportError:
+        log("no matplotlib here, so no plot (pip install -e '.[bench]')")
 
 
 if __name__ == "__main__":

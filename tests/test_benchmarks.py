@@ -357,22 +357,25 @@ def test_cold_reads_benchmark_times_each_strategy_from_an_empty_cache(cache, tmp
 
 
 def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache, tmp_path):
-    """World sizes 1 and 3 (which divides no tensor), every rank's exit aborting as gloo's
-    sometimes does after the work is done."""
-    run_module(tmp_path, "benchmarks.cold_one_world", "--size", SIZE, "--world", "1", "3", "--rounds", "2",
+    """World sizes 1 and 3 (which divides no tensor; ``SIZE@1,3`` overrides ``--world``), every
+    rank's exit aborting as gloo's sometimes does after the work is done."""
+    run_module(tmp_path, "benchmarks.cold_one_world", "--size", f"{SIZE}@1,3", "--world", "2", "--rounds", "2",
                "--cache", cache, "--out", tmp_path, "--name", "t",
                env={"PYTHONPATH": exit_aborting_hook(tmp_path / "hook")})
     data = json.loads((tmp_path / "cold-one-world-t.json").read_text())
     methods = ["zload+init", "zload", "dcp", "ceiling", "ceiling-1"]
-    assert data["highest_residency_before"] is None or data["highest_residency_before"] <= 0.1
-    for world in (1, 3):
-        got = data["worlds"][str(world)]
-        assert list(got["seconds"]) == methods and all(len(s) == 2 and min(s) > 0 for s in got["seconds"].values())
-        assert len(got["residency"]) == 2 * len(methods)  # one eviction before each measurement
-        assert len(got["checks"]) == world  # every rank's partitions and shards checked
-        assert all(set(c) == {"zload+init", "zload", "dcp"} and all(v["ok"] for v in c.values()) for c in got["checks"])
+    assert [(p["size"], p["world"]) for p in data["results"]] == [(SIZE, 1), (SIZE, 3)]
+    for point in data["results"]:
+        assert list(point["seconds"]) == methods and all(len(s) == 2 and min(s) > 0 for s in point["seconds"].values())
+        assert all(r is None or r <= 0.1 for r in point["residency"])
+        assert len(point["residency"]) == 2 * len(methods)  # one eviction before each measurement
+        assert len(point["checks"]) == point["world"]  # every rank's partitions and shards checked
+        assert all(set(c) == {"zload+init", "zload", "dcp"} and all(v["ok"] for v in c.values())
+                   for c in point["checks"])
     table = (tmp_path / "cold-one-world-t.md").read_text()
     assert "| zload+init / dcp |" in table and "| zload / zload+init |" in table and "| dcp / ceiling-1 |" in table
+    assert f"| method | what it times | {SIZE} W=1 | {SIZE} W=3 |" in table and "checked against the checkpoint" in table
+    assert (tmp_path / "cold-one-world-t.png").stat().st_size > 0
 
 
 def test_load_benchmark_modules_stay_small():
