@@ -4,7 +4,8 @@
 
 The load benchmark's ``--cold`` mode starts a fresh world for every measurement, so each of its
 numbers also carries W process starts, the model's construction and what the machine did just
-before. Here one world of W ranks (torchrun, gloo, CPU) builds everything once: a model under
+before. Here one world of W ranks (torchrun; set up as the load benchmark's: gloo and CPU
+partitions, or NCCL and GPU ones where CUDA is) builds everything once: a model under
 ``zload.init``, one under ``deepspeed.zero.Init`` and DCP's row-sharded DTensors. Each method is
 run once warm (its one-time costs: imports, threads, transformers' name mapping), then, round
 after round, the checkpoint's page cache is emptied before each method and the method is timed
@@ -30,7 +31,9 @@ from .load import REPO, exit_without_teardown, log
 from .load.checkpoint import checkpoint_bytes, checkpoint_dir, ensure_checkpoint, evict_page_cache, llama_config, \
     parse_size_spec
 from .load.launch import launch_local, scratch_folders
+from .load.methods import partition_device
 from .load.report import save_results
+from .load.worker import join_world
 
 METHODS = {  # name (as the load benchmark's) -> what it times
     "zload+init": "`zload.load_into` into the model built under `zload.init`",
@@ -61,16 +64,16 @@ class Stopwatch:
         self.seconds[name] = time.perf_counter() - self.started.pop(name)
 
 
-def _runners(folder: str, methods: list[str]) -> dict:
+def _runners(folder: str, methods: list[str]) -> tuple[dict, dict, dict | None]:
     """Each method as a function of a Stopwatch that times its "load" segment, with what it writes
-    into built now."""
+    into built now; also the models and DCP's state dict, for the check after the rounds."""
     import torch.distributed.checkpoint as dcp
 
     import zload
     from .load.methods import build_model, ceiling, dcp_state_dict
 
-    built = SimpleNamespace(model_dtype="bfloat16")
-    models = {name: build_model(folder, Stopwatch(), built, how)
+    build_args = SimpleNamespace(model_dtype="bfloat16")
+    models = {name: build_model(folder, Stopwatch(), build_args, how)
               for name, how in (("zload+init", "zload.init"), ("zload", "zero.Init")) if name in methods}
     state_dict = dcp_state_dict(folder) if "dcp" in methods else None
 
@@ -88,8 +91,8 @@ def _runners(folder: str, methods: list[str]) -> dict:
         watch.end("load")
 
     runners = {name: load_into(model) for name, model in models.items()}
-    runners.update(dcp=dcp_load, ceiling=lambda watch: ceiling(folder, watch, None),
-                   **{"ceiling-1": lambda watch: ceiling(folder, watch, None, threads=1)})
+    runners.update(dcp=dcp_load, ceiling=lambda watch: ceiling(folder, watch, build_args),
+                   **{"ceiling-1": lambda watch: ceiling(folder, watch, build_args, threads=1)})
     return {name: runners[name] for name in methods}, models, state_dict
 
 
@@ -104,32 +107,24 @@ def _verify(folder: str, models: dict, state_dict) -> dict:
 
 def worker(args) -> None:
     """One rank: build, warm up, then the cold rounds; rank 0 writes ``RESULT``."""
-    import contextlib
-    import io
-    import logging
     import traceback
-    import warnings
 
     status = 1
     try:
-        import deepspeed
+        import torch
         import torch.distributed as dist
-        import transformers
 
-        deepspeed.utils.logger.setLevel(logging.WARNING)
-        transformers.logging.set_verbosity_error()
-        warnings.filterwarnings("ignore")
-        with contextlib.redirect_stdout(io.StringIO()):
-            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        join_world()
         node_first = int(os.environ.get("LOCAL_RANK", "0")) == 0
         runners, models, state_dict = _runners(args.checkpoint, args.methods)
         for run in runners.values():
             run(Stopwatch())  # warm: one-time costs out of the way
         seconds = {name: [] for name in runners}
         residency = []
+        order = []  # the methods of each round, as run
         for round_ in range(args.rounds):
-            for name in (args.methods if round_ % 2 == 0 else args.methods[::-1]):
-                dist.barrier()
+            order.append(args.methods if round_ % 2 == 0 else args.methods[::-1])
+            for name in order[-1]:  # every rank is past the last method's closing barrier
                 if node_first:
                     residency.append(evict_page_cache(args.checkpoint)["resident_fraction"])
                 watch = Stopwatch()
@@ -139,7 +134,8 @@ def worker(args) -> None:
         dist.all_gather_object(checks, _verify(args.checkpoint, models, state_dict) if args.verify else {})
         if dist.get_rank() == 0:
             with open(args.result, "w") as f:
-                json.dump({"seconds": seconds, "residency": residency, "checks": checks}, f)
+                json.dump({"seconds": seconds, "residency": residency, "order": order, "checks": checks,
+                           "threads": torch.get_num_threads(), "device": partition_device()}, f)
         dist.barrier()
         status = 0
     except BaseException:  # noqa: BLE001 - report, then leave with a failing status
@@ -217,6 +213,8 @@ def main() -> None:
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.rounds < 1 or len(set(args.methods)) < len(args.methods):
+        p.error("--rounds must be at least 1 and --methods name each method once")
     if args.worker:
         return worker(args)
     points = []

@@ -80,17 +80,30 @@ def _read_ranks(result_dir: str, world: int) -> list[dict]:
     return ranks
 
 
+def stop_torchrun(torchrun: subprocess.Popen) -> None:
+    """SIGTERM first: torchrun then stops its workers, which run in sessions of their own and would
+    outlive a SIGKILLed torchrun (and disturb the worlds measured after them)."""
+    torchrun.terminate()
+    try:
+        torchrun.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        torchrun.kill()
+        torchrun.wait()
+
+
 def launch_local(worker_args: list[str], world: int, args, log_path: str, what: str) -> None:
     """Run one world of ``world`` ranks on this machine with torchrun, each rank ``python
     WORKER_ARGS`` in ``args.snapshot``; raise, with the end of its log, if it fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *worker_args]
     with open(log_path, "w") as out:
+        torchrun = subprocess.Popen(cmd, env=_worker_env(world, args.snapshot), stdout=out, stderr=subprocess.STDOUT,
+                                    cwd=args.snapshot)
         try:
-            rc = subprocess.call(cmd, env=_worker_env(world, args.snapshot), stdout=out, stderr=subprocess.STDOUT,
-                                 timeout=args.timeout, cwd=args.snapshot)
+            rc = torchrun.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            rc = "timeout"
+            rc = f"timeout after {args.timeout} s"
+            stop_torchrun(torchrun)
     if rc != 0:
         with open(log_path) as f:
             tail = f.read()[-4000:]

@@ -201,23 +201,20 @@ class Meter:
 
 
 
-def worker_main(args) -> None:
-    """One rank of a measured world; writes RESULT_DIR/rank<R>.json, then leaves without teardown."""
+def join_world() -> bool:
+    """Join the measured world as torchrun set it up, DeepSpeed and transformers quiet: NCCL and
+    this rank's GPU where CUDA is (the partitions go there), else gloo. Returns whether CUDA is used."""
     import contextlib
     import io
     import logging
-    import traceback
     import warnings
 
-    counter = CommCounter()
-    counter.install()  # before DeepSpeed captures torch.distributed's functions
     import torch
 
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     import deepspeed
-    import torch.distributed as dist
     import transformers
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -226,6 +223,19 @@ def worker_main(args) -> None:
     warnings.filterwarnings("ignore")
     with contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    return cuda
+
+
+def worker_main(args) -> None:
+    """One rank of a measured world; writes RESULT_DIR/rank<R>.json, then leaves without teardown."""
+    import traceback
+
+    counter = CommCounter()
+    counter.install()  # before DeepSpeed captures torch.distributed's functions
+    import torch
+    import torch.distributed as dist
+
+    cuda = join_world()
     rank, world = dist.get_rank(), dist.get_world_size()
     meter = Meter(counter, cuda)
     rc = 0
