@@ -399,6 +399,23 @@ def test_a_world_past_its_timeout_leaves_no_worker_behind(tmp_path):
     assert not left, f"workers still running: {left}"
 
 
+def test_results_say_whose_uncommitted_changes_measured(tmp_path, monkeypatch):
+    """A result's commit is only true of the code measured if neither zload/ nor the benchmark
+    itself had changes on top of it."""
+    from benchmarks.load import report
+
+    for folder in ("zload", "benchmarks"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "code.py").write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    for step in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"]):
+        subprocess.run(git + step, check=True)
+    monkeypatch.setattr(report, "REPO", str(tmp_path))
+    assert "uncommitted" not in report.host_info()["zload_commit"]
+    (tmp_path / "benchmarks" / "code.py").write_text("x = 2\n")
+    assert report.host_info()["zload_commit"].endswith("+uncommitted benchmarks/ changes")
+
+
 def test_load_benchmark_modules_stay_small():
     """One concern per module: the benchmark is a package, no module of it over 400 lines."""
     sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "benchmarks" / "load").glob("*.py")}

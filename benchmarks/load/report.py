@@ -154,9 +154,10 @@ def host_info() -> dict:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, timeout=10, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "zload"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
-        info["zload_commit"] = head + ("+uncommitted zload/ changes" if dirty else "")
+        dirty = [folder for folder in ("zload", "benchmarks")
+                 if subprocess.run(["git", "status", "--porcelain", "--", folder], cwd=REPO, capture_output=True,
+                                   text=True, timeout=10, check=False).stdout.strip()]
+        info["zload_commit"] = head + "".join(f"+uncommitted {folder}/ changes" for folder in dirty)
     except (OSError, subprocess.SubprocessError):
         pass
     if torch.cuda.is_available():
