@@ -382,9 +382,12 @@ def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache,
     assert (tmp_path / "cold-one-world-t.png").stat().st_size > 0
 
 
-def test_a_world_past_its_timeout_leaves_no_worker_behind(tmp_path):
-    """torchrun starts each worker in a session of its own: killing torchrun alone would leave them
-    running, to disturb every world measured after."""
+@pytest.mark.parametrize("ending", ["timeout", "interrupt"])
+def test_a_world_stopped_early_leaves_no_worker_behind(tmp_path, monkeypatch, ending):
+    """Past its timeout, or interrupted (Ctrl-C) while the launcher waits. torchrun starts each
+    worker in a session of its own: killing torchrun alone would leave them running, to disturb
+    every world measured after."""
+    import time
     from types import SimpleNamespace
 
     from benchmarks.load.launch import launch_local
@@ -392,8 +395,20 @@ def test_a_world_past_its_timeout_leaves_no_worker_behind(tmp_path):
     marker = tmp_path / "sleeps-forever.py"  # its path names the workers in the process table
     marker.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
     log_path = tmp_path / "world.log"
-    with pytest.raises(RuntimeError, match="timeout after 20 s"):
-        launch_local([str(marker)], 2, SimpleNamespace(snapshot=str(tmp_path), timeout=20), str(log_path), "sleepers")
+    if ending == "interrupt":
+        wait = subprocess.Popen.wait
+
+        def interrupted_wait(self, timeout=None):
+            if timeout == 600:  # the launcher's wait for the world, not stop_torchrun's
+                time.sleep(20)  # the workers are up
+                raise KeyboardInterrupt
+            return wait(self, timeout)
+
+        monkeypatch.setattr(subprocess.Popen, "wait", interrupted_wait)
+    expected = (RuntimeError, "timeout after 20 s") if ending == "timeout" else (KeyboardInterrupt, None)
+    with pytest.raises(expected[0], match=expected[1]):
+        launch_local([str(marker)], 2, SimpleNamespace(snapshot=str(tmp_path), timeout=20 if ending == "timeout" else 600),
+                     str(log_path), "sleepers")
     assert log_path.read_text().count("started") == 2  # both workers had started
     left = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True).stdout.split()
     assert not left, f"workers still running: {left}"

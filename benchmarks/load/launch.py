@@ -103,7 +103,9 @@ def launch_local(worker_args: list[str], world: int, args, log_path: str, what: 
             rc = torchrun.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             rc = f"timeout after {args.timeout} s"
-            stop_torchrun(torchrun)
+        finally:  # past the timeout, or interrupted (Ctrl-C) while waiting
+            if torchrun.poll() is None:
+                stop_torchrun(torchrun)
     if rc != 0:
         with open(log_path) as f:
             tail = f.read()[-4000:]
