@@ -26,6 +26,7 @@ from .files import FileTable, OpenFile, open_regular, refuse_irregular, stat_pat
 from .hub import download
 from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry, index_from_weight_map, parse_header
 from .native import LATEST, native_folder, open_native
+from .pagecache import forget
 from .plan import LoadPlan
 
 
@@ -160,6 +161,8 @@ class LocalView:
     digests: dict[str, tuple[str, str]] = field(default_factory=dict)
     known: list[str] = field(default_factory=list)  # the file keys the index lists
     problems: list[Problem] = field(default_factory=list)
+    # (fd, offset, length): sampled windows this rank brought into the page cache
+    sampled_cold: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def whole(self) -> bool:
@@ -179,6 +182,12 @@ class LocalView:
         if self.index is None:
             return {}
         return {key: f for key, f in self.index.opened.files.items() if key in self.index.files}
+
+    def forget_sampled(self) -> None:
+        """Drop the sampled windows this rank brought into the page cache, once every rank has
+        sampled (after a collective): they would break the large reads of a cold load."""
+        forget(self.sampled_cold)
+        self.sampled_cold = []
 
     def shared(self) -> SharedIndex:
         """This view as the whole checkpoint, for when every rank has seen the same whole one."""
@@ -215,8 +224,9 @@ def viewed(source: str, index: CheckpointIndex, verify: str = "sample") -> Local
         files = view.opened()
         sampled = [key for key, f in files.items() if DIGEST_KEY not in f.metadata] \
             if verify == "sample" and rank_and_world()[1] > 1 else []
-        samples = dict(zip(sampled, sample_digests(
-            [(files[k].fd, files[k].data_start, files[k].identity.size) for k in sampled])))
+        digests, view.sampled_cold = sample_digests(
+            [(files[k].fd, files[k].data_start, files[k].identity.size) for k in sampled])
+        samples = dict(zip(sampled, digests))
         view.digests = {key: (f.header_sha256, samples.get(key, "")) for key, f in files.items()}
     except BaseException:
         view.close()
@@ -344,6 +354,7 @@ def open_agreed(path: str, revision: str | None, verify: str,
         fingerprint = view.fingerprint
         high, negated_low, partial, troubled = reduce_max(
             [fingerprint, -fingerprint, int(not view.whole), len(problems)])
+        view.forget_sampled()
         if high == -negated_low and not partial:  # the same whole checkpoint everywhere
             _no_revision(path, revision)
             if troubled:
@@ -358,6 +369,7 @@ def open_agreed(path: str, revision: str | None, verify: str,
             if verify == "full":
                 verify_fully(view)
             shared = share_index(view, _refused(source))
+            view.forget_sampled()
         else:
             _no_revision(path, revision)
         plan, problems = _planned(plan_load, shared.index, shared.remote_files)

@@ -46,22 +46,24 @@ def _pread(fd: int, length: int, offset: int) -> bytes:
     return data
 
 
-def sample_digests(files: list[tuple[int, int, int]]) -> list[str]:
-    """For each ``(fd, data start, size)``: the SHA-256 of the sampled windows of its data.
+def sample_digests(files: list[tuple[int, int, int]]) -> tuple[list[str], list[tuple[int, int, int]]]:
+    """For each ``(fd, data start, size)``: the SHA-256 of the sampled windows of its data; and
+    the windows, as ``(fd, offset, length)``, of the files that looked uncached, which this call
+    brought into the page cache (for ``pagecache.forget`` once no rank samples any more).
 
     One thread: from the page cache, threads cost more than the few hundred small reads they
     would share (measured: 1.1 ms for 13 files on one thread, 2.5 ms on two). From a cold cache
     the windows are all hinted to the kernel first, so the device fetches them together rather
     than one wait each."""
-    digests = []
+    digests, brought = [], []
     for fd, data_start, size in files:
         windows = sample_windows(data_start, size)
-        prefetch_if_uncached(fd, windows)
+        brought += [(fd, offset, length) for offset, length in prefetch_if_uncached(fd, windows)]
         digest = hashlib.sha256()
         for offset, length in windows:
             digest.update(_pread(fd, length, offset))
         digests.append(digest.hexdigest())
-    return digests
+    return digests, brought
 
 
 def block_count(data_start: int, size: int) -> int:

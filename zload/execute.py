@@ -5,10 +5,10 @@ scatters the bytes to several buffers at once. A few reader threads take the run
 (``preadv`` releases the GIL); the calling thread is one of them whenever it would otherwise wait,
 and there are no more of them than this rank's share of the CPUs, since reads from the page cache
 are memory copies that more threads than cores only slow down. A rank with one reader thread
-hints the runs the page cache lacks to the kernel (``pagecache.ReadAhead``), up to
-``READ_AHEAD_BYTES`` ahead of its reads, so that a cold load keeps the storage device busy; the
-runs of a file in a batch whose first, middle and last are cached are neither hinted nor looked
-at again. A range whose destination is a CPU tensor of the same dtype is read straight into the
+has the runs the page cache lacks brought in ahead of it (``pagecache.ReadAhead``: streamed
+through the gaps between them in large requests), up to ``READ_AHEAD_BYTES`` ahead of its reads,
+so that a cold load keeps the storage device busy; the runs of a file in a batch whose first,
+middle and last are cached are neither brought in nor looked at again. A range whose destination is a CPU tensor of the same dtype is read straight into the
 destination; the others land in one of two staging buffers and are copied (and cast) by
 ``kernels.scatter_cast``: while one buffer is being copied out, the next batch is read into the
 other. For GPU destinations the staging buffers are pinned and each batch goes to the device on
@@ -37,20 +37,24 @@ DEFAULT_STAGING_BYTES = 64 << 20  # both staging buffers together
 DEFAULT_READ_THREADS = 4  # readers per rank (the calling thread included), at most
 _IOV_MAX = 1024  # buffers per preadv call (Linux IOV_MAX)
 _RUN_BYTES = 16 << 20  # longer runs are split so that the reader threads can share them
-READ_AHEAD_BYTES = 64 << 20  # uncached bytes hinted ahead of the readers (measured: 32-256 MB alike)
+READ_AHEAD_BYTES = 64 << 20  # uncached bytes brought in ahead of the readers (measured: 32-256 MB alike)
+
+
+def local_ranks() -> int:
+    """Ranks on this node (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from the DeepSpeed
+    launcher; 1 when neither says)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
+    return max(1, int(local)) if local.isdigit() else 1
 
 
 def reader_count(limit: int = DEFAULT_READ_THREADS) -> int:
     """Reader threads for this rank: ``limit``, but at most its share of the usable CPUs among the
-    ranks of this node (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from the DeepSpeed
-    launcher)."""
+    ranks of this node."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
-    local_ranks = max(1, int(local)) if local.isdigit() else 1
-    return max(1, min(limit, cpus // local_ranks))
+    return max(1, min(limit, cpus // local_ranks()))
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -92,8 +96,7 @@ def _read_run(run: _Run) -> int:
 
 class _RunQueue:
     """A batch's runs, taken one at a time by the reader threads (whichever is free next); those
-    not in the page cache are hinted to the kernel ahead of them, from the moment the batch is
-    queued."""
+    not in the page cache are brought in ahead of them, from the moment the batch is queued."""
 
     def __init__(self, runs: list[_Run], progress: Progress, read_ahead: ReadAhead):
         self.runs = runs
@@ -160,10 +163,10 @@ class _Reader:
         self.read_files: set[str] = set()
         self.bytes_read = 0
         self.helpers = (reader_count() if threads is None else max(1, threads)) - 1
-        # hints only for a lone reader: beside a second reader thread they slowed cold loads
+        # reading ahead only for a lone reader: beside a second reader thread, hints slowed cold loads
         # (W=1, 300 MB, 20 rounds: 0.248 s with, 0.200 s without; W=2, one reader a rank: 0.270 s
         # with, 0.283 s without)
-        self.read_ahead = ReadAhead(0 if self.helpers else READ_AHEAD_BYTES)
+        self.read_ahead = ReadAhead(0 if self.helpers else READ_AHEAD_BYTES, local_ranks())
         self.pool = ThreadPoolExecutor(self.helpers, thread_name_prefix="zload-read") \
             if self.helpers else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
