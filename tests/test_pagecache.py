@@ -119,15 +119,21 @@ def covered(spans) -> list[tuple[int, int]]:
     return [tuple(s) for s in stretches]
 
 
-def test_a_cold_read_is_pulled_through_the_gaps_ahead_of_the_reader(big_file, hints, pulls, monkeypatch):
-    """Quarters read in the order 0, 2, 1, 3 (the gaps another rank reads): the reader's thread
-    streams the whole stretch through the page cache, the gaps with it, and hints nothing."""
+@pytest.fixture
+def two_ranks_here(monkeypatch):
+    """A rank with one reader thread, of two on this node, as under torchrun."""
+    monkeypatch.setattr(execute_module, "reader_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+
+def test_a_cold_read_is_pulled_through_the_gaps_ahead_of_the_reader(big_file, hints, pulls, two_ranks_here):
+    """Quarters read in the order 0, 2, 1, 3 (the gaps the node's other rank reads): the
+    read-ahead thread streams the whole stretch through the page cache, the gaps with it, once,
+    and hints nothing."""
     path, data = big_file
     skip_unless_evictable(path)
-    monkeypatch.setattr(execute_module, "reader_count", lambda: 1)
     quarters = read_in_pieces(path, data)
-    assert covered(pulls) == covered(quarters)
-    assert pulls[:2] == [quarters[0], (quarters[1][0], 2 * quarters[1][1])]  # 0, then 1 and 2 at once
+    assert pulls == [quarters[0], (quarters[1][0], 2 * quarters[1][1]), quarters[3]]  # 1 with 2
     assert hints == []
 
 
@@ -237,16 +243,17 @@ def test_read_ahead_stays_within_its_window_and_the_reader_waits_for_it(recorded
 
 
 def test_spans_far_apart_are_hinted_and_a_gap_the_nodes_ranks_read_is_pulled(recorded, monkeypatch):
-    """Gaps of 990 bytes after spans of 10, beyond the 100 bytes streamed through whatever the
-    node: hinted, each on its own (many requests in flight, where a pull keeps one). With 100
-    ranks on the node, whose other 99 spans of 10 bytes fill such a gap, they are pulled."""
+    """Gaps of 990 bytes after spans of 10, beyond the 100 bytes streamed through whoever reads
+    them: hinted, each on its own (many requests in flight, where a pull keeps one), as when other
+    nodes' ranks read the gaps. With 100 ranks on the node and none elsewhere, whose other 99
+    spans of 10 bytes fill such a gap, they are pulled."""
     events, fd = recorded
     monkeypatch.setattr(pagecache, "PULL_GAP_BYTES", 100)
     spans = [(fd, 1000 * k, 10) for k in range(3)]
-    for local_ranks, expected in [(1, [("hint", 1000 * k, 10) for k in range(3)]),
-                                  (100, [("pull", 0, 10), ("pull", 10, 1000), ("pull", 1010, 1000)])]:
+    for gap_ranks, expected in [(0, [("hint", 1000 * k, 10) for k in range(3)]),
+                                (99, [("pull", 0, 10), ("pull", 10, 1000), ("pull", 1010, 1000)])]:
         events.clear()
-        ahead = pagecache.ReadAhead(MB, local_ranks)
+        ahead = pagecache.ReadAhead(MB, gap_ranks)
         try:
             ahead.extend(spans)
             assert settled(events, expected)
@@ -301,21 +308,23 @@ def test_forget_drops_the_pages_of_a_window_smaller_than_a_page_and_no_others(bi
     skip_unless_evictable(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.pread(fd, 512, 3 * MB + 5)
-        os.pread(fd, 512, 3 * MB + 2 * 4096 + 5)
+        for window in (3 * MB - 4096 + 5, 3 * MB + 4096 + 5, 3 * MB + 5):
+            reader = os.open(path, os.O_RDONLY)  # no readahead state from the read before
+            os.pread(reader, 512, window)
+            os.close(reader)
         assert pagecache.cached(fd, 3 * MB + 5, 512) is True
-        pagecache.forget([(fd, 3 * MB + 5, 512)])
+        pagecache.forget([(fd, 3 * MB + 5, 512), (fd, 3 * MB + 4096, 0)])
         assert pagecache.cached(fd, 3 * MB + 5, 512) is False
-        assert pagecache.cached(fd, 3 * MB + 2 * 4096 + 5, 512) is True
+        assert pagecache.cached(fd, 3 * MB - 4096 + 5, 512) is True  # the pages on either side
+        assert pagecache.cached(fd, 3 * MB + 4096 + 5, 512) is True
     finally:
         os.close(fd)
 
 
 @pytest.mark.parametrize("missing", ["sendfile", "/proc/self/fd"])
-def test_without_sendfile_or_proc_the_spans_are_hinted(big_file, hints, monkeypatch, missing):
+def test_without_sendfile_or_proc_the_spans_are_hinted(big_file, hints, monkeypatch, missing, two_ranks_here):
     path, data = big_file
     skip_unless_evictable(path)
-    monkeypatch.setattr(execute_module, "reader_count", lambda: 1)
     if missing == "sendfile":
         def no_sendfile(*args):
             raise OSError(errno.ENOSYS, "no sendfile")
@@ -326,17 +335,59 @@ def test_without_sendfile_or_proc_the_spans_are_hinted(big_file, hints, monkeypa
     assert sorted((offset, length) for _, offset, length in hints) == quarters
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_reader_never_waits_for_a_read_ahead_thread_that_died(big_file, monkeypatch):
+def test_a_reader_never_waits_for_a_read_ahead_thread_that_died(big_file, monkeypatch, two_ranks_here):
     path, data = big_file
     skip_unless_evictable(path)
-    monkeypatch.setattr(execute_module, "reader_count", lambda: 1)
 
     def broken(*args):
         raise RuntimeError("the read-ahead thread dies")
 
     monkeypatch.setattr(pagecache, "pull", broken)
-    read_in_pieces(path, data)  # returns, with every byte right
+    with pytest.warns(RuntimeWarning, match="reading ahead of a cold load stopped"):
+        read_in_pieces(path, data)  # returns, with every byte right
+
+
+def test_pulls_never_write_to_a_dev_null_that_is_not_the_null_device(big_file, hints, pulls, monkeypatch,
+                                                                     tmp_path, two_ranks_here):
+    path, data = big_file
+    skip_unless_evictable(path)
+    impostor = tmp_path / "null"
+    impostor.write_bytes(b"")
+    monkeypatch.setattr(os, "devnull", str(impostor))
+    quarters = read_in_pieces(path, data)
+    assert pulls == [] and impostor.read_bytes() == b""
+    assert sorted((offset, length) for _, offset, length in hints) == quarters
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+@pytest.mark.parametrize("pulling", [True, False])
+def test_read_ahead_closes_what_it_opened_once(big_file, monkeypatch, pulling):
+    """Its own descriptions of the files and /dev/null, also when a pull fails; a second close
+    closes nothing (the numbers may belong to other files by then)."""
+    path, _ = big_file
+    skip_unless_evictable(path)
+    if not pulling:
+        def no_sendfile(*args):
+            raise OSError(errno.ENOSYS, "no sendfile")
+        monkeypatch.setattr(os, "sendfile", no_sendfile)
+    fd = os.open(path, os.O_RDONLY)
+    before = open_descriptors()
+    ahead = pagecache.ReadAhead(64 * MB, 1)
+    ahead.extend([(fd, 0, MB), (fd, MB + 4096, MB)])
+    ahead.reached(1)
+    ahead.close()
+    assert open_descriptors() == before
+    other = os.open(path, os.O_RDONLY)  # takes a number the read-ahead had used
+    try:
+        ahead.close()
+        os.fstat(other)
+    finally:
+        os.close(other)
+        os.close(fd)
 
 
 def test_hints_never_block_a_read_when_mincore_is_unavailable(big_file, hints, pulls, monkeypatch):

@@ -161,7 +161,7 @@ class LocalView:
     digests: dict[str, tuple[str, str]] = field(default_factory=dict)
     known: list[str] = field(default_factory=list)  # the file keys the index lists
     problems: list[Problem] = field(default_factory=list)
-    # (fd, offset, length): sampled windows this rank brought into the page cache
+    # (fd, offset, length): the sampled windows of files that looked uncached (this rank hinted them)
     sampled_cold: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
@@ -184,8 +184,9 @@ class LocalView:
         return {key: f for key, f in self.index.opened.files.items() if key in self.index.files}
 
     def forget_sampled(self) -> None:
-        """Drop the sampled windows this rank brought into the page cache, once every rank has
-        sampled (after a collective): they would break the large reads of a cold load."""
+        """Drop from the page cache the sampled windows of files that looked uncached, once every
+        rank has sampled (after a collective): they would break up the large requests of a cold
+        load. A rank already reading may lose a window's page it pulled: it reads it again."""
         forget(self.sampled_cold)
         self.sampled_cold = []
 

@@ -88,6 +88,7 @@ def _read_agreed(source: str, weights: str) -> _Source:
     view = read.view if read else LocalView(source, None, problems=problems)
     try:
         agreed = share_index(view, refused)
+        view.forget_sampled()
         if agreed is None or agreed.sharing:  # the same on every rank
             raise CheckpointNotFoundError(f"{refused}: {source} is not on every rank; every process of a "
                                           "conversion reads the whole checkpoint", path=source)

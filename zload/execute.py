@@ -8,10 +8,10 @@ are memory copies that more threads than cores only slow down. A rank with one r
 has the runs the page cache lacks brought in ahead of it (``pagecache.ReadAhead``: streamed
 through the gaps between them in large requests), up to ``READ_AHEAD_BYTES`` ahead of its reads,
 so that a cold load keeps the storage device busy; the runs of a file in a batch whose first,
-middle and last are cached are neither brought in nor looked at again. A range whose destination is a CPU tensor of the same dtype is read straight into the
-destination; the others land in one of two staging buffers and are copied (and cast) by
-``kernels.scatter_cast``: while one buffer is being copied out, the next batch is read into the
-other. For GPU destinations the staging buffers are pinned and each batch goes to the device on
+middle and last are cached are neither brought in nor looked at again. A range whose
+destination is a CPU tensor of the same dtype is read straight into the destination; the others
+land in one of two staging buffers and are copied (and cast) by ``kernels.scatter_cast``: while
+one buffer is being copied out, the next batch is read into the other. For GPU destinations the staging buffers are pinned and each batch goes to the device on
 its own CUDA stream, so reads, host-to-device copies and the kernel overlap without a per-tensor
 synchronisation.
 """
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .distributed import rank_and_world
 from .errors import CheckpointError
 from .files import FileTable, OpenFile
 from .index import DTYPES
@@ -45,6 +46,14 @@ def local_ranks() -> int:
     launcher; 1 when neither says)."""
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
     return max(1, int(local)) if local.isdigit() else 1
+
+
+def gap_ranks() -> int:
+    """How many other ranks' ranges a gap between two of this rank's may hold and still be read
+    through ahead of it: the node's other ranks when the whole world is on this node (the node
+    reads every byte of such a gap anyway), none when other nodes' ranges lie in the gaps."""
+    local = local_ranks()
+    return local - 1 if rank_and_world()[1] <= local else 0
 
 
 def reader_count(limit: int = DEFAULT_READ_THREADS) -> int:
@@ -163,10 +172,10 @@ class _Reader:
         self.read_files: set[str] = set()
         self.bytes_read = 0
         self.helpers = (reader_count() if threads is None else max(1, threads)) - 1
-        # reading ahead only for a lone reader: beside a second reader thread, hints slowed cold loads
-        # (W=1, 300 MB, 20 rounds: 0.248 s with, 0.200 s without; W=2, one reader a rank: 0.270 s
-        # with, 0.283 s without)
-        self.read_ahead = ReadAhead(0 if self.helpers else READ_AHEAD_BYTES, local_ranks())
+        # reading ahead only for a lone reader: beside a second reader thread, hints (as reading
+        # ahead was before it streamed) slowed cold loads (W=1, 300 MB, 20 rounds: 0.248 s with,
+        # 0.200 s without; W=2, one reader a rank: 0.270 s with, 0.283 s without)
+        self.read_ahead = ReadAhead(0 if self.helpers else READ_AHEAD_BYTES, gap_ranks())
         self.pool = ThreadPoolExecutor(self.helpers, thread_name_prefix="zload-read") \
             if self.helpers else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None

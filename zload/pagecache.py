@@ -32,7 +32,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import stat
 import threading
+import warnings
 
 _PROT_READ = 0x1
 _MAP_SHARED = 0x01
@@ -111,6 +113,8 @@ def forget(spans: list[tuple[int, int, int]]) -> None:
     ``POSIX_FADV_DONTNEED`` drops whole pages only, so each span is widened to its pages."""
     page = mmap.PAGESIZE
     for fd, offset, length in spans:
+        if length <= 0:
+            continue  # a length of 0 would mean "to the end of the file"
         start = offset - offset % page
         try:
             os.posix_fadvise(fd, start, -(-(offset + length - start) // page) * page,
@@ -119,7 +123,7 @@ def forget(spans: list[tuple[int, int, int]]) -> None:
             pass
 
 
-PULL_GAP_BYTES = 8 << 20  # gaps this small are streamed through whatever the node's ranks
+PULL_GAP_BYTES = 1 << 20  # a gap this small is streamed through, whoever reads it
 _PULL_CHUNK = 16 << 20  # bytes per sendfile call
 
 
@@ -128,7 +132,7 @@ def pull(source: int, sink: int, offset: int, length: int) -> None:
     (``/dev/null``): the kernel's own sequential readahead, and no copy."""
     end = offset + length
     while offset < end:
-        sent = os.sendfile(sink, source, offset, min(_PULL_CHUNK, end - offset))
+        sent = os.sendfile(sink, source, offset, end - offset)
         if sent <= 0:
             return  # end of file: the reader's own read reports it
         offset += sent
@@ -141,26 +145,47 @@ def own_description(fd: int) -> int | None:
         other = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    mine, theirs = os.fstat(fd), os.fstat(other)
-    if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
-        os.close(other)
+    try:
+        mine, theirs = os.fstat(fd), os.fstat(other)
+        if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
+            return other
+    except OSError:
+        pass
+    os.close(other)
+    return None
+
+
+def null_sink() -> int | None:
+    """``/dev/null`` opened for writing, if it is the null device (a character device that is
+    not a terminal); None otherwise: pulls must never write anywhere."""
+    try:
+        sink = os.open(os.devnull, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
         return None
-    return other
+    try:
+        if stat.S_ISCHR(os.fstat(sink).st_mode) and not os.isatty(sink):
+            return sink
+    except OSError:
+        pass
+    os.close(sink)
+    return None
 
 
 class ReadAhead:
     """Brings the uncached spans of a reading order into the page cache, up to ``window`` bytes
     of it ahead of the reader, from a thread of its own. Spans are ``(fd, offset, length)``,
     appended in the order they are read (``extend``); readers call ``reached(i)`` before they read
-    span ``i``, which waits until the span has been brought. A span is pulled, with the gap before
-    it when that is at most ``PULL_GAP_BYTES`` or what ``local_ranks - 1`` spans of its length
-    cover; a span with no neighbour that close on either side is hinted. The spans of a file that does
-    not look ``uncached`` when they are appended are never looked at again (a warm load starts no
-    thread). ``close`` before the descriptors are closed. A window of 0 brings nothing."""
+    span ``i``, which waits until the span has been pulled or hinted. A span is pulled, with the
+    gap before it when that is at most ``PULL_GAP_BYTES`` or what ``gap_ranks`` spans as long as
+    its neighbours fill (the node's other ranks, when the whole world is on this node: their reads
+    fill the gaps); a span with no neighbour that close on either side is hinted. The spans of a
+    file that does not look ``uncached`` when they are appended are never looked at again (a warm
+    load starts no thread). ``close`` before the descriptors are closed. A window of 0 brings
+    nothing."""
 
-    def __init__(self, window: int, local_ranks: int = 1):
+    def __init__(self, window: int, gap_ranks: int = 0):
         self.window = window
-        self.local_ranks = max(1, local_ranks)
+        self.gap_ranks = max(0, gap_ranks)
         self.spans: list[tuple[int, int, int] | None] = []  # None: taken as cached
         self.starts = [0]  # bytes of the reading order before span i
         self.position = 0  # where the reader is
@@ -169,8 +194,8 @@ class ReadAhead:
         self.changed = threading.Condition()
         self.thread: threading.Thread | None = None
         self.sink: int | None = None  # /dev/null, once opened
-        self.pullers: dict[int, int | None] = {}  # fd -> its own description (None: hint instead)
-        self.pulled_to: dict[int, int] = {}  # fd -> the furthest end pulled or hinted
+        self.puller: tuple[int, int | None] | None = None  # (fd, its own description or None: hint)
+        self.streams: dict[int, tuple[int, int]] = {}  # fd -> (furthest end brought, its span's length)
 
     def extend(self, spans) -> int:
         """Append spans to the reading order; returns the index of the first."""
@@ -186,8 +211,9 @@ class ReadAhead:
                 self.starts.append(self.starts[-1] + span[2])
             self.changed.notify_all()
         if self.thread is None and cold:  # never without mincore: ``cached`` is None then
-            self.thread = threading.Thread(target=self._bring, name="zload-read-ahead", daemon=True)
-            self.thread.start()
+            thread = threading.Thread(target=self._bring, name="zload-read-ahead", daemon=True)
+            thread.start()
+            self.thread = thread
         return first
 
     def reached(self, i: int) -> None:
@@ -222,40 +248,70 @@ class ReadAhead:
                 with self.changed:
                     self.done = k + 1
                     self.changed.notify_all()
+        except Exception as error:  # the reads go on without it, as slowly as without hints
+            warnings.warn(f"zload: reading ahead of a cold load stopped ({error!r}); it goes on "
+                          "without", RuntimeWarning, stacklevel=1)
         finally:  # a reader never waits for a thread that has stopped
             with self.changed:
                 self.closed = True
                 self.changed.notify_all()
 
-    def _in_reach(self, fd: int, end: int | None, span) -> bool:
-        """Whether the gap from ``end`` (in ``fd``) to ``span`` is worth streaming through."""
-        return (end is not None and span is not None and span[0] == fd
-                and 0 <= span[1] - end <= max(PULL_GAP_BYTES, (self.local_ranks - 1) * span[2]))
+    def _in_reach(self, end: int, span: tuple[int, int, int], neighbour: int) -> bool:
+        """Whether the gap from ``end`` to ``span`` (in the same file) is worth streaming
+        through: ``gap_ranks`` spans of the longer of ``span`` and its ``neighbour`` (the other
+        span beside the gap) fill it, or it is small."""
+        return 0 <= span[1] - end <= max(PULL_GAP_BYTES, self.gap_ranks * max(span[2], neighbour))
 
     def _pull_or_hint(self, span: tuple[int, int, int], following) -> None:
-        """Pull the span, from the end of the last one of its file when the gap is in reach; hint
-        it instead when it stands alone (no neighbour in reach on either side): for spans far
-        apart, hints keep many requests in flight where one thread pulling keeps one."""
+        """Pull the span, from the end of the stream so far in its file when the gap is in reach;
+        hint it instead when it stands alone (no neighbour in reach on either side: for spans far
+        apart, hints keep many requests in flight where one thread pulling keeps one) or when
+        pulls cannot be made. A span below the stream's end (an order that goes back) was
+        streamed already."""
         fd, offset, length = span
-        end = self.pulled_to.get(fd)
-        self.pulled_to[fd] = max(offset + length, end or 0)
-        continues = self._in_reach(fd, end, span)
-        if not continues and not self._in_reach(fd, offset + length, following):
+        source = self._source(fd)
+        end, before = self.streams.get(fd, (None, 0))
+        if source is None:
             prefetch(fd, offset, length)
             return
+        if end is not None and offset + length <= end:
+            return
+        continues = end is not None and (offset <= end or self._in_reach(end, span, before))
+        if not continues and not (following is not None and following[0] == fd
+                                  and self._in_reach(offset + length, following, length)):
+            prefetch(fd, offset, length)
+            return
+        self.streams[fd] = (offset + length, length)
         start = end if continues else offset
-        if fd not in self.pullers:
-            self.pullers[fd] = own_description(fd)
-        source = self.pullers[fd]
-        if source is not None:
-            try:
-                if self.sink is None:
-                    self.sink = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-                pull(source, self.sink, start, offset + length - start)
-                return
-            except OSError:
-                self.pullers[fd] = None  # no sendfile here: hints from now on
-        prefetch(fd, offset, length)
+        try:
+            for at in range(start, offset + length, _PULL_CHUNK):
+                if self.closed:
+                    return
+                pull(source, self.sink, at, min(_PULL_CHUNK, offset + length - at))
+        except OSError:
+            self._drop_source(fd)  # no sendfile here: hints from now on
+            prefetch(fd, offset, length)
+
+    def _source(self, fd: int) -> int | None:
+        """``fd``'s own description for pulling (the last file's is closed: the reading order
+        moves through the files one after another), or None where pulls cannot be made."""
+        if self.puller is not None and self.puller[0] == fd:
+            return self.puller[1]
+        self._close_source()
+        if self.sink is None:
+            sink = null_sink()
+            self.sink = -1 if sink is None else sink
+        self.puller = (fd, own_description(fd) if self.sink >= 0 else None)
+        return self.puller[1]
+
+    def _drop_source(self, fd: int) -> None:
+        self._close_source()
+        self.puller = (fd, None)
+
+    def _close_source(self) -> None:
+        if self.puller is not None and self.puller[1] is not None:
+            os.close(self.puller[1])
+        self.puller = None
 
     def close(self) -> None:
         with self.changed:
@@ -263,6 +319,7 @@ class ReadAhead:
             self.changed.notify_all()
         if self.thread is not None:
             self.thread.join()
-        for fd in [self.sink, *self.pullers.values()]:
-            if fd is not None:
-                os.close(fd)
+        self._close_source()
+        if self.sink is not None and self.sink >= 0:
+            os.close(self.sink)
+        self.sink = None
