@@ -11,9 +11,9 @@ so that a cold load keeps the storage device busy; the runs of a file in a batch
 middle and last are cached are neither brought in nor looked at again. A range whose
 destination is a CPU tensor of the same dtype is read straight into the destination; the others
 land in one of two staging buffers and are copied (and cast) by ``kernels.scatter_cast``: while
-one buffer is being copied out, the next batch is read into the other. For GPU destinations the staging buffers are pinned and each batch goes to the device on
-its own CUDA stream, so reads, host-to-device copies and the kernel overlap without a per-tensor
-synchronisation.
+one buffer is being copied out, the next batch is read into the other. For GPU destinations the
+staging buffers are pinned and each batch goes to the device on its own CUDA stream, so reads,
+host-to-device copies and the kernel overlap without a per-tensor synchronisation.
 """
 
 from __future__ import annotations
@@ -172,9 +172,9 @@ class _Reader:
         self.read_files: set[str] = set()
         self.bytes_read = 0
         self.helpers = (reader_count() if threads is None else max(1, threads)) - 1
-        # reading ahead only for a lone reader: beside a second reader thread, hints (as reading
-        # ahead was before it streamed) slowed cold loads (W=1, 300 MB, 20 rounds: 0.248 s with,
-        # 0.200 s without; W=2, one reader a rank: 0.270 s with, 0.283 s without)
+        # reading ahead only for a lone reader: beside a second reader thread, hints slowed cold
+        # loads (W=1, 300 MB, 20 rounds: 0.248 s with, 0.200 s without), and streaming was faster
+        # at 300 MB (0.125 s against 0.151 s) but not at 1.2 GB (0.58 s against 0.57 s)
         self.read_ahead = ReadAhead(0 if self.helpers else READ_AHEAD_BYTES, gap_ranks())
         self.pool = ThreadPoolExecutor(self.helpers, thread_name_prefix="zload-read") \
             if self.helpers else None

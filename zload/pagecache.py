@@ -155,15 +155,19 @@ def own_description(fd: int) -> int | None:
     return None
 
 
+_NULL_DEVICE = (1, 3)  # Linux's /dev/null: character device major 1, minor 3
+
+
 def null_sink() -> int | None:
-    """``/dev/null`` opened for writing, if it is the null device (a character device that is
-    not a terminal); None otherwise: pulls must never write anywhere."""
+    """``/dev/null`` opened for writing, if it is the null device; None otherwise: pulls must
+    never write anywhere."""
     try:
         sink = os.open(os.devnull, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if stat.S_ISCHR(os.fstat(sink).st_mode) and not os.isatty(sink):
+        found = os.fstat(sink)
+        if stat.S_ISCHR(found.st_mode) and (os.major(found.st_rdev), os.minor(found.st_rdev)) == _NULL_DEVICE:
             return sink
     except OSError:
         pass
