@@ -261,6 +261,27 @@ def test_spans_far_apart_are_hinted_and_a_gap_the_nodes_ranks_read_is_pulled(rec
             ahead.close()
 
 
+def test_a_span_in_a_hole_below_the_stream_is_still_brought_in(recorded):
+    """An order that goes back (an FP8 weight's scales, stored before the weights): a span inside
+    what was streamed is skipped, one below it is hinted, and the stream goes on where it was."""
+    events, fd = recorded
+    ahead = pagecache.ReadAhead(MB)
+    try:
+        ahead.extend([(fd, 100, 10), (fd, 110, 10), (fd, 20, 10), (fd, 115, 5), (fd, 120, 10)])
+        assert settled(events, [("pull", 100, 10), ("pull", 110, 10), ("hint", 20, 10), ("pull", 120, 10)])
+    finally:
+        ahead.close()
+
+
+@pytest.mark.parametrize("world, streamed", [(2, 1), (4, 0)])
+def test_gaps_are_streamed_through_only_when_the_whole_world_is_on_this_node(monkeypatch, world, streamed):
+    """Two ranks on this node: in a world of 2 the gaps are the other rank's; in a world of 4
+    they hold another node's ranges too, which this node must not read."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(execute_module, "rank_and_world", lambda: (0, world))
+    assert execute_module.gap_ranks() == streamed
+
+
 def test_a_cold_batch_after_warm_ones_is_pulled_from_where_the_reader_is(recorded, monkeypatch, tmp_path):
     """Spans of 10 bytes, a window of 25: a batch of a warm file starts no thread, but the reader's
     place in it still counts, so the next batch (a cold file) is pulled at once up to the window

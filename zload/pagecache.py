@@ -198,8 +198,9 @@ class ReadAhead:
         self.changed = threading.Condition()
         self.thread: threading.Thread | None = None
         self.sink: int | None = None  # /dev/null, once opened
-        self.puller: tuple[int, int | None] | None = None  # (fd, its own description or None: hint)
-        self.streams: dict[int, tuple[int, int]] = {}  # fd -> (furthest end brought, its span's length)
+        self.can_pull = True  # False once /dev/null or sendfile turned out unusable
+        self.puller: tuple[int, int | None] | None = None  # (fd, its own description or None)
+        self.streams: dict[int, tuple[int, int, int]] = {}  # fd -> (start, end, last span's length)
 
     def extend(self, spans) -> int:
         """Append spans to the reading order; returns the index of the first."""
@@ -270,30 +271,33 @@ class ReadAhead:
         """Pull the span, from the end of the stream so far in its file when the gap is in reach;
         hint it instead when it stands alone (no neighbour in reach on either side: for spans far
         apart, hints keep many requests in flight where one thread pulling keeps one) or when
-        pulls cannot be made. A span below the stream's end (an order that goes back) was
-        streamed already."""
+        pulls cannot be made. In an order that goes back, a span inside what the stream has
+        covered is brought already, and one below it is hinted."""
         fd, offset, length = span
-        source = self._source(fd)
-        end, before = self.streams.get(fd, (None, 0))
-        if source is None:
+        start, end, before = self.streams.get(fd, (0, -1, 0))
+        if start <= offset and offset + length <= end:
+            return
+        if offset < start:  # below the stream: hinted, and the stream goes on where it was
             prefetch(fd, offset, length)
             return
-        if end is not None and offset + length <= end:
-            return
-        continues = end is not None and (offset <= end or self._in_reach(end, span, before))
+        continues = start <= offset <= end or (offset > end >= 0 and self._in_reach(end, span, before))
         if not continues and not (following is not None and following[0] == fd
                                   and self._in_reach(offset + length, following, length)):
             prefetch(fd, offset, length)
             return
-        self.streams[fd] = (offset + length, length)
-        start = end if continues else offset
+        source = self._source(fd)
+        if source is None:
+            prefetch(fd, offset, length)
+            return
+        self.streams[fd] = (start if continues else offset, offset + length, length)
         try:
-            for at in range(start, offset + length, _PULL_CHUNK):
+            for at in range(end if continues else offset, offset + length, _PULL_CHUNK):
                 if self.closed:
                     return
                 pull(source, self.sink, at, min(_PULL_CHUNK, offset + length - at))
         except OSError:
-            self._drop_source(fd)  # no sendfile here: hints from now on
+            self.can_pull = False  # no sendfile here: hints from now on
+            self._close_source()
             prefetch(fd, offset, length)
 
     def _source(self, fd: int) -> int | None:
@@ -302,15 +306,13 @@ class ReadAhead:
         if self.puller is not None and self.puller[0] == fd:
             return self.puller[1]
         self._close_source()
-        if self.sink is None:
-            sink = null_sink()
-            self.sink = -1 if sink is None else sink
-        self.puller = (fd, own_description(fd) if self.sink >= 0 else None)
+        if self.can_pull and self.sink is None:
+            self.sink = null_sink()
+            self.can_pull = self.sink is not None
+        if not self.can_pull:
+            return None
+        self.puller = (fd, own_description(fd))
         return self.puller[1]
-
-    def _drop_source(self, fd: int) -> None:
-        self._close_source()
-        self.puller = (fd, None)
 
     def _close_source(self) -> None:
         if self.puller is not None and self.puller[1] is not None:
@@ -324,6 +326,6 @@ class ReadAhead:
         if self.thread is not None:
             self.thread.join()
         self._close_source()
-        if self.sink is not None and self.sink >= 0:
+        if self.sink is not None:
             os.close(self.sink)
         self.sink = None
