@@ -8,7 +8,8 @@ cache in order, through the gaps that the node's other ranks read anyway, with `
 ``/dev/null`` (no copy) from an open file description of its own, so that the kernel sees one
 sequential reader and fetches in large requests (cold loads of 300 MB at W=2 on this project's
 VM, counted in ``/sys/block/*/stat``: about 120 requests of 2.6 MB for the data, against about 400
-of 0.75 MB with a hint for each range; 0.13 s against 0.17 s); the reader copies each range once
+of 0.75 MB, besides the data sample's 256 of 4 KB, with a hint for each range; 0.13 s against
+0.17 s); the reader copies each range once
 it has been pulled. ``posix_fadvise(WILLNEED)`` hints remain for ranges too far apart to stream
 through, and wherever ``sendfile`` or ``/proc/self/fd`` are missing: they fetch in single pages,
 which the device serves in smaller requests.
@@ -17,13 +18,13 @@ Pages that a small read leaves in the cache break the kernel's large requests ar
 readahead falls back to single pages after it meets a cached one), so what ``sample_digests``
 brought in is ``forget``-ed once every rank has sampled.
 
-When the pages are already cached, pulling and hinting would only cost system calls, so a span
-is pulled only when ``mincore`` (through ctypes: no compiled extension) finds the first pages of
-it missing. Looking at every page instead costs about 15 us per MB when cached (1.4 ms for a 95 MB
-file, measured), more than a warm load can spare; a few pages cost about 3 us. Even that, span by
-span from a thread of its own, took CPU from the readers of a warm load (two ranks on two cores,
-800 spans each: about 5% of the load), so the spans of one file in a batch whose first, middle
-and last are cached are all taken as cached. Where ``mincore`` is missing (not Linux, no libc),
+When the pages are already cached, pulling and hinting would only cost system calls, so the
+spans of a file in a batch are brought in only when ``mincore`` (through ctypes: no compiled
+extension) finds the first pages of its first, middle or last span missing. Looking at every
+page instead costs about 15 us per MB when cached (1.4 ms for a 95 MB file, measured), more
+than a warm load can spare; a few pages cost about 3 us. Even that, span by span from a thread
+of its own, took CPU from the readers of a warm load (two ranks on two cores, 800 spans each:
+about 5% of the load). Where ``mincore`` is missing (not Linux, no libc),
 nothing is pulled or hinted and reads work as before.
 """
 
@@ -99,7 +100,7 @@ def uncached(fd: int, spans: list[tuple[int, int]]) -> bool:
 def prefetch_if_uncached(fd: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Hint every ``(offset, length)`` of ``spans`` at once, if they look ``uncached``: for many
     small reads spread over a file, each of which would otherwise wait for the device in turn.
-    Returns the spans hinted, which this call brings into the page cache."""
+    Returns the spans hinted (all or none: some of them may have been cached already)."""
     if not uncached(fd, spans):
         return []
     for offset, length in spans:
