@@ -273,6 +273,23 @@ def test_a_span_in_a_hole_below_the_stream_is_still_brought_in(recorded):
         ahead.close()
 
 
+def test_fp8_weights_are_streamed_past_their_scales(recorded):
+    """Each FP8 weight is read with its scales, stored before the weights: the weights still form
+    one stream (the next span above a weight is looked for past its scales), the scales are
+    hinted."""
+    events, fd = recorded
+    spans = []
+    for k in range(3):
+        spans += [(fd, 100_000 + 100 * k, 100), (fd, 10 + 5 * k, 5)]
+    ahead = pagecache.ReadAhead(MB)
+    try:
+        ahead.extend(spans)
+        assert settled(events, [event for k in range(3)
+                                for event in (("pull", 100_000 + 100 * k, 100), ("hint", 10 + 5 * k, 5))])
+    finally:
+        ahead.close()
+
+
 @pytest.mark.parametrize("world, streamed", [(2, 1), (4, 0)])
 def test_gaps_are_streamed_through_only_when_the_whole_world_is_on_this_node(monkeypatch, world, streamed):
     """Two ranks on this node: in a world of 2 the gaps are the other rank's; in a world of 4

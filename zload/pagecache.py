@@ -126,6 +126,7 @@ def forget(spans: list[tuple[int, int, int]]) -> None:
 
 PULL_GAP_BYTES = 1 << 20  # a gap this small is streamed through, whoever reads it
 _PULL_CHUNK = 16 << 20  # bytes per sendfile call
+_LOOK_AHEAD_SPANS = 4  # spans looked at for the next one above a span
 
 
 def pull(source: int, sink: int, offset: int, length: int) -> None:
@@ -248,8 +249,9 @@ class ReadAhead:
         try:
             while (step := self._next()) is not None:
                 k, span = step
-                with self.changed:
-                    following = next((s for s in self.spans[k + 1:k + 2] if s is not None), None)
+                with self.changed:  # the next span above this one (an FP8 weight's scales lie below it)
+                    following = next((s for s in self.spans[k + 1:k + 1 + _LOOK_AHEAD_SPANS]
+                                      if s is not None and s[0] == span[0] and s[1] >= span[1] + span[2]), None)
                 self._pull_or_hint(span, following)
                 with self.changed:
                     self.done = k + 1
@@ -282,20 +284,19 @@ class ReadAhead:
             prefetch(fd, offset, length)
             return
         continues = start <= offset <= end or (offset > end >= 0 and self._in_reach(end, span, before))
-        if not continues and not (following is not None and following[0] == fd
-                                  and self._in_reach(offset + length, following, length)):
+        if not continues and not (following is not None and self._in_reach(offset + length, following, length)):
             prefetch(fd, offset, length)
             return
         source = self._source(fd)
         if source is None:
             prefetch(fd, offset, length)
             return
-        self.streams[fd] = (start if continues else offset, offset + length, length)
         try:
             for at in range(end if continues else offset, offset + length, _PULL_CHUNK):
                 if self.closed:
                     return
                 pull(source, self.sink, at, min(_PULL_CHUNK, offset + length - at))
+            self.streams[fd] = (start if continues else offset, offset + length, length)
         except OSError:
             self.can_pull = False  # no sendfile here: hints from now on
             self._close_source()
@@ -316,9 +317,9 @@ class ReadAhead:
         return self.puller[1]
 
     def _close_source(self) -> None:
-        if self.puller is not None and self.puller[1] is not None:
-            os.close(self.puller[1])
-        self.puller = None
+        puller, self.puller = self.puller, None  # forgotten first: a close that raises is not retried
+        if puller is not None and puller[1] is not None:
+            os.close(puller[1])
 
     def close(self) -> None:
         with self.changed:
@@ -326,7 +327,9 @@ class ReadAhead:
             self.changed.notify_all()
         if self.thread is not None:
             self.thread.join()
-        self._close_source()
-        if self.sink is not None:
-            os.close(self.sink)
-        self.sink = None
+        sink, self.sink = self.sink, None
+        try:
+            self._close_source()
+        finally:
+            if sink is not None:
+                os.close(sink)
