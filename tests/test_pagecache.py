@@ -108,17 +108,6 @@ def read_in_pieces(path, data, pieces: int = 4) -> list[tuple[int, int]]:
     return [(entry.start + q * piece, piece) for q in range(pieces)]
 
 
-def covered(spans) -> list[tuple[int, int]]:
-    """The (start, end) stretches that (offset, length) spans cover together."""
-    stretches: list[list[int]] = []
-    for offset, length in sorted(spans):
-        if stretches and offset <= stretches[-1][1]:
-            stretches[-1][1] = max(stretches[-1][1], offset + length)
-        else:
-            stretches.append([offset, offset + length])
-    return [tuple(s) for s in stretches]
-
-
 @pytest.fixture
 def two_ranks_here(monkeypatch):
     """A rank with one reader thread, of two on this node, as under torchrun."""
