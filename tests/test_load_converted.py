@@ -34,9 +34,10 @@ def _vision_encoder_decoder_config():
 
 
 def _mixtral_config():
+    """11 experts: names sort as experts.0, .1, .10, .2, but transformers stacks them in number order."""
     return transformers.MixtralConfig(vocab_size=61, hidden_size=24, intermediate_size=20,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      num_local_experts=3, num_experts_per_tok=2, max_position_embeddings=32,
+                                      num_local_experts=11, num_experts_per_tok=2, max_position_embeddings=32,
                                       tie_word_embeddings=False)
 
 

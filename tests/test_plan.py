@@ -112,3 +112,43 @@ def test_target_problem_is_reported_even_when_shapes_match():
     target = Target(("w",), FULL, (2,), "float32", True, problem="is on the meta device")
     (problem,) = make_plan(_index(("w", "F32", (2,), 4)), [target]).problems
     assert "meta device" in problem
+
+
+def test_targets_name_every_alias_in_module_order_with_buffer_persistence():
+    """``collect_targets`` walks the module tree itself (for speed); it must see what
+    ``named_parameters(remove_duplicate=False)`` and ``state_dict`` see: a submodule shared under
+    two names, a weight tied across modules, unset entries, and which buffers are persistent."""
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 3)
+            self.register_buffer("stat", torch.zeros(3))
+            self.register_buffer("scratch", torch.zeros(2), persistent=False)
+            self.register_parameter("unset", None)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = Block()
+            self.again = self.first  # the same block under a second name
+            self.second = Block()
+            self.head = torch.nn.Linear(2, 3, bias=False)
+            self.head.weight = self.second.lin.weight  # tied
+            self.absent = None
+
+    from zload.targets import collect_targets
+
+    model = Model()
+    targets = collect_targets(model)
+    params, buffers = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), []).append(name)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        buffers.setdefault(id(b), []).append(name)
+    assert [t.names for t in targets] == [tuple(n) for n in [*params.values(), *buffers.values()]]
+    assert all(t.kind == FULL for t in targets)
+    assert {t.name: t.required for t in targets if t.name in dict(model.named_buffers())} == \
+        {"first.stat": True, "first.scratch": False, "second.stat": True, "second.scratch": False}
+    assert {n for t in targets if t.required for n in t.names} == set(model.state_dict(keep_vars=True))

@@ -207,8 +207,8 @@ class _Reader:
         dst = self.destinations[item.target]
         src_dtype = getattr(torch, item.src_dtype)
         if dst.device.type == "cpu" and dst.dtype == src_dtype:
-            view = byte_view(dst[item.dst_offset:item.dst_offset + item.numel])
-            self.queue(item.file, item.offset, view)
+            first = item.dst_offset * dst.element_size()
+            self.queue(item.file, item.offset, byte_view(dst)[first:first + item.nbytes])
             return
         for part in self.layout.parts(item):
             start = self.layout.place(part.staged_nbytes)

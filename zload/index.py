@@ -173,6 +173,10 @@ def _strict_json(text: str, what: str):
     surrogates = _SURROGATE_ESCAPE.search(text) is not None
 
     def strict_object(pairs):
+        if not surrogates:  # the common case, in one call: a duplicate makes the dict shorter
+            seen = dict(pairs)
+            if len(seen) == len(pairs):
+                return seen
         seen = {}
         for key, value in pairs:
             if surrogates:
@@ -195,7 +199,7 @@ def _strict_json(text: str, what: str):
 
 
 def _is_u64(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _U64_MAX
+    return type(value) is int and 0 <= value <= _U64_MAX  # JSON gives int exactly (bool is not)
 
 
 def _parse_entry(path: str, key: str, name: str, raw, data_start: int) -> TensorEntry:

@@ -145,8 +145,7 @@ def _transformers_renames(module, renamed: dict[str, str], model_names: set[str]
     meta = dict.fromkeys(model_names, True)
     plain: dict[str, str] = {}
     groups: dict[str, tuple] = {}
-    for original in sorted(renamed, key=lambda n: dot_natural_key(renamed[n])):
-        name = renamed[original]
+    for original, name in renamed.items():
         new, pattern = rename_source_key(name, renamings, converters, module.base_model_prefix, meta)
         if new not in meta and name in meta:
             new, pattern = name, None
@@ -155,6 +154,8 @@ def _transformers_renames(module, renamed: dict[str, str], model_names: set[str]
         else:
             converter, members = groups.setdefault(new, (by_pattern[pattern], []))
             members.append((pattern, original))
+    for _, members in groups.values():  # a converter takes its inputs in transformers' order
+        members.sort(key=lambda member: dot_natural_key(renamed[member[1]]))
     return plain, groups
 
 
@@ -163,8 +164,7 @@ def apply_conversion_mapping(module, index: CheckpointIndex, renamed: dict[str, 
     """transformers' conversion mapping of ``module`` applied to ``renamed`` (checkpoint name ->
     name so far): the plain renames, and (model name, source) for each tensor among the model's
     ``known`` names that a converter builds."""
-    model_names = set(known) | {n for n, _ in module.named_buffers()}
-    plain, groups = _transformers_renames(module, renamed, model_names)
+    plain, groups = _transformers_renames(module, renamed, set(known))
     converted: list[tuple[str, Source]] = []
     for target_key, (converter, members) in groups.items():
         group = [(pattern, index.tensors[name]) for pattern, name in members]
