@@ -357,6 +357,16 @@ def test_cold_reads_benchmark_times_each_strategy_from_an_empty_cache(cache, tmp
     assert "| O_DIRECT |" in (tmp_path / "cold-reads-t.md").read_text()
 
 
+def test_plan_cost_benchmark_times_each_stage_of_this_tree_and_a_revision(cache, tmp_path):
+    run_module(tmp_path, "benchmarks.plan_cost", "--size", SIZE, "--rounds", "1", "--against", "HEAD",
+               "--cache", cache, "--out", tmp_path, "--name", "t")
+    data = json.loads((tmp_path / "plan-cost-t.json").read_text())
+    (result,) = data["results"]
+    assert list(result["by"]) == ["this tree", "HEAD"]
+    assert all(t["min_ms"] > 0 for by in result["by"].values() for t in by.values())
+    assert "| HEAD |" in (tmp_path / "plan-cost-t.md").read_text()
+
+
 def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache, tmp_path):
     """World sizes 1 and 3 (which divides no tensor; ``SIZE@1,3`` overrides ``--world``), every
     rank's exit aborting as gloo's sometimes does after the work is done."""

@@ -11,7 +11,7 @@ import zload
 from zload.index import CheckpointIndex, TensorEntry
 from zload.integrations.peft import peft_role
 from zload.names import align_prefix, apply_key_map, match
-from zload.targets import FULL, Target
+from zload.targets import FULL, Target, collect_targets
 
 from . import models
 from .harness import run_world
@@ -124,3 +124,23 @@ def test_key_map_and_prefix_alignment_in_a_zero3_load(tmp_path, world):
     for loaded, missing, unexpected in run_world(world, _load_wrapped, path, {r"^old_": ""}):
         assert loaded == sorted("model." + k for k in state)
         assert missing == ["value_head.weight", "value_head.bias"] and unexpected == []
+
+
+def test_a_tied_weight_is_read_under_its_first_name_in_transformers_order():
+    """transformers visits checkpoint names in number order (layers.2 before layers.10, unlike a
+    plain sort) and its stateful renames depend on it; a weight tied across two layers is read
+    from the first name in that order."""
+    from transformers import LlamaForCausalLM
+
+    config = models.tiny_llama_config()
+    config.num_hidden_layers = 11
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    layers = model.model.layers
+    layers[10].mlp.up_proj.weight = layers[2].mlp.up_proj.weight
+    entries = {n: TensorEntry(n, "f", "F32", tuple(t.shape), 0, 0)
+               for n, t in model.state_dict(keep_vars=True).items()}
+    targets = collect_targets(model)
+    matching = match(CheckpointIndex("ckpt", ("f",), entries), targets, model)
+    (tied,) = [i for i, t in enumerate(targets) if "model.layers.10.mlp.up_proj.weight" in t.names]
+    assert matching.sources[tied].names == ("model.layers.2.mlp.up_proj.weight",)

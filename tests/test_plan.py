@@ -115,9 +115,9 @@ def test_target_problem_is_reported_even_when_shapes_match():
 
 
 def test_targets_name_every_alias_in_module_order_with_buffer_persistence():
-    """``collect_targets`` walks the module tree itself (for speed); it must see what
-    ``named_parameters(remove_duplicate=False)`` and ``state_dict`` see: a submodule shared under
-    two names, a weight tied across modules, unset entries, and which buffers are persistent."""
+    """``collect_targets`` sees what ``named_parameters(remove_duplicate=False)`` and ``state_dict``
+    see: a submodule shared under two names, a weight tied across modules, unset entries, and
+    which buffers are persistent."""
     import torch
 
     class Block(torch.nn.Module):
@@ -152,3 +152,18 @@ def test_targets_name_every_alias_in_module_order_with_buffer_persistence():
     assert {t.name: t.required for t in targets if t.name in dict(model.named_buffers())} == \
         {"first.stat": True, "first.scratch": False, "second.stat": True, "second.scratch": False}
     assert {n for t in targets if t.required for n in t.names} == set(model.state_dict(keep_vars=True))
+
+
+def test_targets_follow_the_modules_own_named_parameters():
+    """A module may override how it names its members (torch's checkpoint_wrapper strips its
+    wrapped module's name; PEFT's LoRA MultiheadAttention re-registers weights in named_modules):
+    parameters are named as the model's own ``named_parameters`` names them."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from zload.targets import collect_targets
+
+    model = checkpoint_wrapper(torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)))
+    names = [n for t in collect_targets(model) for n in t.names]
+    assert names[:4] == [n for n, _ in model.named_parameters(remove_duplicate=False)] == \
+        ["0.weight", "0.bias", "1.weight", "1.bias"]

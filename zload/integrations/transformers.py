@@ -145,7 +145,10 @@ def _transformers_renames(module, renamed: dict[str, str], model_names: set[str]
     meta = dict.fromkeys(model_names, True)
     plain: dict[str, str] = {}
     groups: dict[str, tuple] = {}
-    for original, name in renamed.items():
+    # transformers renames in this order (its GroupWeightRename keeps state from key to key), and
+    # the first source of a tied weight is the one read
+    for original in sorted(renamed, key=lambda n: dot_natural_key(renamed[n])):
+        name = renamed[original]
         new, pattern = rename_source_key(name, renamings, converters, module.base_model_prefix, meta)
         if new not in meta and name in meta:
             new, pattern = name, None
@@ -154,8 +157,6 @@ def _transformers_renames(module, renamed: dict[str, str], model_names: set[str]
         else:
             converter, members = groups.setdefault(new, (by_pattern[pattern], []))
             members.append((pattern, original))
-    for _, members in groups.values():  # a converter takes its inputs in transformers' order
-        members.sort(key=lambda member: dot_natural_key(renamed[member[1]]))
     return plain, groups
 
 
