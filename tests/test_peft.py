@@ -288,3 +288,21 @@ def test_resume_lora_training_from_peft_adapter(saved, tmp_path, world, bf16, lo
     assert all(a == b for a, b in results)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+
+
+def test_merged_lora_attention_weights_are_targets():
+    """PEFT's LoRA ``MultiheadAttention`` keeps its merged weights as plain attributes and puts
+    them back as parameters in its own ``named_modules``: zload must walk the model through it, or
+    those weights are silently neither loaded nor saved."""
+    from zload.targets import collect_targets
+
+    class Attending(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(4, 2)
+
+    model = get_peft_model(Attending(), LoraConfig(target_modules=["attn"], r=2))
+    model.merge_adapter()
+    names = {n for t in collect_targets(model) for n in t.names}
+    assert {"base_model.model.attn.base_layer.in_proj_weight",
+            "base_model.model.attn.base_layer.out_proj.base_layer.weight"} <= names

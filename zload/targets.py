@@ -126,12 +126,7 @@ def collect_targets(module, live_engine: bool = False) -> list[Target]:
 
     ``live_engine``: the module belongs to a DeepSpeedEngine whose optimizer brackets the writes.
     """
-    params: dict[int, list] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        params.setdefault(id(p), [p, []])[1].append(name)
-    buffers: dict[int, list] = {}
-    for name, b in _named_buffers_with_persistence(module):
-        buffers.setdefault(id(b[0]), [b, []])[1].append(name)
+    params, buffers = _members(module)
 
     under_zero3 = any(hasattr(p, "ds_id") for p, _ in params.values())
     targets, places = [], {}
@@ -143,7 +138,7 @@ def collect_targets(module, live_engine: bool = False) -> list[Target]:
             targets.append(Target(tuple(names), ORPHAN, (), dtype, True, tensor=p))
         else:
             targets.append(_full_target(names, p, required=True))
-    for (b, persistent), names in buffers.values():
+    for b, names, persistent in buffers.values():
         targets.append(_full_target(names, b, required=persistent))
     return targets
 
@@ -170,10 +165,26 @@ def _full_target(names, tensor, required: bool) -> Target:
                   problem=problem, tensor=tensor)
 
 
-def _named_buffers_with_persistence(module):
-    """(name, (buffer, persistent)) for every buffer, tied ones repeated under each name."""
+def _members(module) -> tuple[dict[int, list], dict[int, list]]:
+    """Every parameter as ``[tensor, names]`` and every buffer as ``[tensor, names, persistent]``,
+    by ``id``, tied ones under each of their names, as ``named_parameters(remove_duplicate=False)``
+    and ``named_buffers`` name them. Both walk ``named_modules``; one walk serves both (a walk took
+    about 1.5 ms of a 2.4 GB Llama's load) unless the model names its parameters its own way."""
+    params: dict[int, list] = {}
+    buffers: dict[int, list] = {}
+    own_naming = (type(module).named_parameters is not torch.nn.Module.named_parameters
+                  or type(module)._named_members is not torch.nn.Module._named_members)
     for prefix, sub in module.named_modules(remove_duplicate=False):
-        for local, buf in sub._buffers.items():
-            if buf is not None:
-                full = f"{prefix}.{local}" if prefix else local
-                yield full, (buf, local not in sub._non_persistent_buffers_set)
+        dot = f"{prefix}." if prefix else ""
+        if not own_naming:
+            for local, p in sub._parameters.items():
+                if p is not None:
+                    params.setdefault(id(p), [p, []])[1].append(dot + local)
+        for local, b in sub._buffers.items():
+            if b is not None:
+                persistent = local not in sub._non_persistent_buffers_set
+                buffers.setdefault(id(b), [b, [], persistent])[1].append(dot + local)
+    if own_naming:
+        for name, p in module.named_parameters(remove_duplicate=False):
+            params.setdefault(id(p), [p, []])[1].append(name)
+    return params, buffers
