@@ -12,10 +12,12 @@ reuses (or writes) the Llama-shaped bf16 checkpoint of ``benchmarks.load``, buil
 - ``targets``: ``collect_targets`` (every parameter and buffer, and this rank's partition);
 - ``match``: ``names.match`` (with transformers' conversion mapping, as for a ``PreTrainedModel``);
 - ``plan``: ``make_plan``;
-- ``queue``: the executor's ``add`` of every read (nothing is read).
+- ``queue``: a reader built and the executor's ``add`` of every read (nothing is read: bf16 into
+  bf16 partitions in CPU memory goes straight to the destinations, with no staging).
 
 With ``--against REV`` the same stages of zload at git revision ``REV`` (its ``zload/`` folder,
-imported under another name) run in the same process, the two alternating round by round, so a
+imported under another name) run in the same process, the two alternating round by round (which
+goes first alternates too), so a
 change in the machine's speed (this VM's varies by up to 2x within minutes) falls on both. The
 cyclic garbage collector is paused as ``load_into`` pauses it. Reports the minimum and the median
 milliseconds; writes ``OUT/plan-cost-<name>.json`` and ``.md``.
@@ -46,11 +48,13 @@ def import_revision(revision: str, into: str) -> str:
     """Import ``zload/`` as it is at git ``revision`` as the package ``zload_at_<revision>``
     (zload's imports are relative, so it runs under any name); returns that name."""
     name = "zload_at_" + "".join(c if c.isalnum() else "_" for c in revision)
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", "--end-of-options", f"{revision}^{{commit}}"],
+                            capture_output=True, text=True, check=True).stdout.strip()
     archive = os.path.join(into, "zload.tar")
     with open(archive, "wb") as f:
-        subprocess.run(["git", "-C", REPO, "archive", revision, "zload"], stdout=f, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
+        subprocess.run(["git", "-C", REPO, "archive", commit, "zload"], stdout=f, check=True)
+    with tarfile.open(archive) as tar:  # our own repository's files; the filter where Python has it
+        tar.extractall(into, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     os.rename(os.path.join(into, "zload"), os.path.join(into, name))
     sys.path.insert(0, into)
     importlib.import_module(name)
@@ -108,8 +112,8 @@ def measure(size_name: str, nbytes: int, packages: dict[str, str], args) -> dict
                     dtype=torch.bfloat16):
         model = LlamaForCausalLM(config)
     runs: dict[str, list[dict]] = {label: [] for label in packages}
-    for _ in range(args.rounds + 1):  # the first round warms up and is not counted
-        for label, package in packages.items():
+    for round_ in range(args.rounds + 1):  # the first round warms up and is not counted
+        for label, package in list(packages.items())[::1 if round_ % 2 else -1]:
             gc.collect()
             gc.disable()
             try:

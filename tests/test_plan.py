@@ -136,7 +136,7 @@ def test_targets_name_every_alias_in_module_order_with_buffer_persistence():
             self.second = Block()
             self.head = torch.nn.Linear(2, 3, bias=False)
             self.head.weight = self.second.lin.weight  # tied
-            self.absent = None
+            self.register_module("absent", None)
 
     from zload.targets import collect_targets
 
@@ -167,3 +167,7 @@ def test_targets_follow_the_modules_own_named_parameters():
     names = [n for t in collect_targets(model) for n in t.names]
     assert names[:4] == [n for n, _ in model.named_parameters(remove_duplicate=False)] == \
         ["0.weight", "0.bias", "1.weight", "1.bias"]
+    patched = torch.nn.Sequential(torch.nn.Linear(2, 3))  # on the instance, not the class
+    renamed = patched.named_parameters
+    patched.named_parameters = lambda *a, **k: ((n.replace("0.", "first."), p) for n, p in renamed(*a, **k))
+    assert [t.names for t in collect_targets(patched)] == [("first.weight",), ("first.bias",)]

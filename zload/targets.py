@@ -172,8 +172,8 @@ def _members(module) -> tuple[dict[int, list], dict[int, list]]:
     about 1.5 ms of a 2.4 GB Llama's load) unless the model names its parameters its own way."""
     params: dict[int, list] = {}
     buffers: dict[int, list] = {}
-    own_naming = (type(module).named_parameters is not torch.nn.Module.named_parameters
-                  or type(module)._named_members is not torch.nn.Module._named_members)
+    own_naming = any(getattr(type(module), method) is not getattr(torch.nn.Module, method)
+                     or method in vars(module) for method in ("named_parameters", "_named_members"))
     for prefix, sub in module.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         if not own_naming:
