@@ -90,7 +90,8 @@ def test_load_benchmark_runs_under_torchrun(cache, tmp_path):
 def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatch):
     """Every method runs at W=2; the zload and transformers partitions are verified bit for bit;
     each zload rank reads exactly its share (the floor's), transformers reads everything on rank 0;
-    zload.init's load exchanges only its agreement bytes; the JSON, table and plot are written, and
+    zload.init's load exchanges only its agreement bytes, and the table says how long the ranks spent
+    in those exchanges; the JSON, table and plot are written, and
     without matplotlib (as on a GPU machine's image) the table still is; and what DCP and the
     ceiling read (``_check_dcp_and_ceiling``)."""
     data, runs, shares = _load_smoke(cache, tmp_path, "benchmarks.load", "--world", "2")
@@ -99,6 +100,8 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
                          "dcp-after-zload.init", "transformers"}
     assert runs["zload+init"]["collective_received_load"] < 1000
     assert runs["zload+init"]["collective_received_total"] < 1000  # zload.init broadcasts nothing
+    waited = runs["zload+init"]["collective_s_load_least"], runs["zload+init"]["collective_s_load_most"]
+    assert 0 < waited[0] <= waited[1] < runs["zload+init"]["load_s"]
     assert runs["alloc-floor"]["partition_bytes"] == runs["zload+init"]["partition_bytes"] >= max(shares)
     assert runs["zload+init"]["construct_rss_growth"] is not None and runs["alloc-floor"]["construct_s"] > 0
     assert runs["transformers"]["verified"] is True
@@ -108,6 +111,7 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     table = (tmp_path / "load-smoke.md").read_text()
     for method in runs:
         assert f"| {method} |" in table
+    assert re.search(r"\| zload\+init \|.*\| \d+ B in \d+\.\d-\d+\.\d ms; \d+ B \|", table)
     assert "| ceiling | – |" in table and "| ceiling-1 | – |" in table and "| dcp | – |" in table  # nothing timed as construction
     # 3 of zload's load, 5 of zload.init's, and each of the two loads warm against DCP, alone and
     # after the same construction

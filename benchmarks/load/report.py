@@ -22,9 +22,9 @@ NO_COLLECTIVES = ("floor", "alloc-floor", *CEILINGS)
 READ_NOTES = {"transformers": " (rank 0 only)", **{m: " (its rows, estimated)" for m in ("dcp", *DCP_AFTER.values())}}
 
 
-def _max(ranks, segment, key, default=None):
+def _max(ranks, segment, key, default=None, over_ranks=max):
     values = [r["segments"][segment][key] for r in ranks if key in r["segments"].get(segment, {})]
-    return max(values) if values else default
+    return over_ranks(values) if values else default
 
 
 def _growth(ranks, segment, key="rss") -> float | None:
@@ -52,6 +52,10 @@ def summarize_run(ranks: list[dict]) -> dict:
         "bytes_read_by_rank": [r.get("bytes_read", 0) for r in ranks],
         "collective_received_load": _max(ranks, "load", "comm_received"),
         "collective_received_total": _max(ranks, "total", "comm_received"),
+        # the rank that waits least in the load's collectives mostly waits for the transport, the one
+        # that waits most for the other ranks as well
+        "collective_s_load_least": _max(ranks, "load", "comm_seconds", over_ranks=min),
+        "collective_s_load_most": _max(ranks, "load", "comm_seconds"),
         "zload_sent_received": max((r.get("bytes_sent", 0) + r.get("bytes_received", 0) for r in ranks),
                                    default=0),
         "rchar_load": _max(ranks, "load", "rchar"),
@@ -77,7 +81,8 @@ def summarize_run(ranks: list[dict]) -> dict:
 
 _MEDIAN_KEYS = ("load_s", "construct_s", "total_s", "peak_rss", "load_rss_growth", "load_anon_growth",
                 "construct_rss_growth", "total_rss_growth", "partition_bytes", "peak_anon", "bytes_read",
-                "collective_received_load", "collective_received_total", "zload_sent_received",
+                "collective_received_load", "collective_received_total", "collective_s_load_least",
+                "collective_s_load_most", "zload_sent_received",
                 "rchar_load", "load_cpu_user", "load_cpu_system", "reload_s", "gpu_peak", "load_gpu_growth", "construct_gpu_growth")
 
 
@@ -172,6 +177,12 @@ def fmt_mb(value) -> str:
     return f"{value / MB:,.1f}" if abs(value) < 100 * MB else f"{value / MB:,.0f}"
 
 
+def _waited(median: dict) -> str:
+    """The fewest and the most milliseconds a rank spent in the load's collectives, as " in 0.4-3.1 ms"."""
+    least, most = median.get("collective_s_load_least"), median.get("collective_s_load_most")
+    return "" if least is None or most is None else f" in {least * 1e3:.1f}-{most * 1e3:.1f} ms"
+
+
 def _bytes(value) -> str:
     """With a unit: 0, 522 B, 12.3 kB, 1.5 MB, 311 MB."""
     if value is None:
@@ -242,7 +253,8 @@ def markdown(data: dict) -> str:
         if e["method"] in NO_COLLECTIVES:
             coll = "0"
         else:
-            coll = f"{_bytes(m.get('collective_received_load'))}; {_bytes(m.get('collective_received_total'))}"
+            coll = (f"{_bytes(m.get('collective_received_load'))}{_waited(m)}; "
+                    f"{_bytes(m.get('collective_received_total'))}")
         construct_load = "–" if e["method"] in NO_CONSTRUCT_PLUS_LOAD else fmt_s(m.get("total_s"))
         gb_s = f"{m['load_gb_s']:.2f}" if "load_gb_s" in m else "–"
         lines.append(
@@ -263,7 +275,9 @@ def markdown(data: dict) -> str:
               "transformers' load it "
               "includes the checkpoint pages rank 0 memory-maps). *collectives* counts bytes each rank "
               "receives through torch.distributed collectives (wrapped and counted, not estimated), during "
-              "the load and during construct + load; for zload that is its small agreement exchanges "
+              "the load and during construct + load, and (*in* ms) the milliseconds spent in them during the "
+              "load by the rank that spent the least and the one that spent the most (the least is mostly "
+              "the transport's latency, the rest waiting for other ranks); for zload the bytes are its small agreement exchanges "
               "(its `bytes_sent + bytes_received`, for ranks lacking a file, is 0 on one machine). "
               "*load CPU s* is the process's user and system CPU seconds during the load, all its "
               "threads (`os.times`), each the largest over ranks on its own (they may be two ranks'). "

@@ -15,7 +15,8 @@ from .methods import RUNNERS, partition_bytes
 
 
 class CommCounter:
-    """Bytes this rank receives through torch.distributed collectives and point-to-point ops.
+    """Bytes this rank receives through torch.distributed collectives and point-to-point ops, and
+    the seconds it spends in them (waiting for the other ranks included).
 
     Installed before DeepSpeed is imported, so the functions DeepSpeed captures are the counted ones.
     An all-gather counts output - input, a broadcast the tensor on every rank but the source, an
@@ -27,6 +28,8 @@ class CommCounter:
     def __init__(self):
         self.received = 0
         self.calls = 0
+        self.seconds = 0.0
+        self.depth = 0  # a counted op that calls another is timed once
 
     def install(self):
         import inspect
@@ -71,7 +74,14 @@ class CommCounter:
                     self.calls += 1
                 except Exception:  # noqa: BLE001, S110 - never let counting break a collective
                     pass
-                return __original(*args, **kwargs)
+                self.depth += 1
+                started = time.perf_counter()
+                try:
+                    return __original(*args, **kwargs)
+                finally:
+                    self.depth -= 1
+                    if not self.depth:
+                        self.seconds += time.perf_counter() - started
 
             counted.__name__ = original.__name__
             counted.__qualname__ = original.__qualname__
@@ -80,8 +90,8 @@ class CommCounter:
             if getattr(dist, name, None) is original:
                 setattr(dist, name, counted)
 
-    def snapshot(self) -> tuple[int, int]:
-        return self.received, self.calls
+    def snapshot(self) -> tuple[int, int, float]:
+        return self.received, self.calls, self.seconds
 
 
 class Meter:
@@ -177,13 +187,14 @@ class Meter:
         high_water = self._high_water()
         if high_water > seg["high_water_before"]:  # a new lifetime peak, so it was reached in here
             seg["rss_peak"] = max(seg["rss_peak"], high_water)
-        received, calls = self.counter.snapshot()
+        received, calls, in_collectives = self.counter.snapshot()
         cpu_after = os.times()
         out = {
             "seconds": seconds,
             "rss_before": seg["rss_before"], "rss_peak": seg["rss_peak"], "rss_after": rss_after,
             "anon_before": seg["anon_before"], "anon_peak": seg["anon_peak"], "anon_after": anon_after,
             "comm_received": received - seg["comm_before"][0], "comm_calls": calls - seg["comm_before"][1],
+            "comm_seconds": in_collectives - seg["comm_before"][2],
             "rchar": self._rchar() - seg["rchar_before"],
             # the process's CPU seconds, all threads: where a copy is slow, user or kernel side
             "cpu_user": cpu_after.user - seg["cpu_before"].user,
