@@ -90,8 +90,8 @@ def test_load_benchmark_runs_under_torchrun(cache, tmp_path):
 def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatch):
     """Every method runs at W=2; the zload and transformers partitions are verified bit for bit;
     each zload rank reads exactly its share (the floor's), transformers reads everything on rank 0;
-    zload.init's load exchanges only its agreement bytes, and the table says how long the ranks spent
-    in those exchanges; the JSON, table and plot are written, and
+    zload.init's load exchanges only its agreement bytes, and the table says how long those
+    exchanges took and how long a rank waited in them for the other; the JSON, table and plot are written, and
     without matplotlib (as on a GPU machine's image) the table still is; and what DCP and the
     ceiling read (``_check_dcp_and_ceiling``)."""
     data, runs, shares = _load_smoke(cache, tmp_path, "benchmarks.load", "--world", "2")
@@ -100,8 +100,8 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
                          "dcp-after-zload.init", "transformers"}
     assert runs["zload+init"]["collective_received_load"] < 1000
     assert runs["zload+init"]["collective_received_total"] < 1000  # zload.init broadcasts nothing
-    waited = runs["zload+init"]["collective_s_load_least"], runs["zload+init"]["collective_s_load_most"]
-    assert 0 < waited[0] <= waited[1] < runs["zload+init"]["load_s"]
+    own, waited = runs["zload+init"]["collective_s_load_own"], runs["zload+init"]["collective_s_load_waited"]
+    assert 0 < own and 0 <= waited and own + waited < runs["zload+init"]["load_s"]
     assert runs["alloc-floor"]["partition_bytes"] == runs["zload+init"]["partition_bytes"] >= max(shares)
     assert runs["zload+init"]["construct_rss_growth"] is not None and runs["alloc-floor"]["construct_s"] > 0
     assert runs["transformers"]["verified"] is True
@@ -111,7 +111,7 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     table = (tmp_path / "load-smoke.md").read_text()
     for method in runs:
         assert f"| {method} |" in table
-    assert re.search(r"\| zload\+init \|.*\| \d+ B in \d+\.\d-\d+\.\d ms; \d+ B \|", table)
+    assert re.search(r"\| zload\+init \|.*\| \d+ B, \d+\.\d \+ \d+\.\d ms; \d+ B \|", table)
     assert "| ceiling | – |" in table and "| ceiling-1 | – |" in table and "| dcp | – |" in table  # nothing timed as construction
     # 3 of zload's load, 5 of zload.init's, and each of the two loads warm against DCP, alone and
     # after the same construction
@@ -430,7 +430,7 @@ def test_a_world_stopped_early_leaves_no_worker_behind(tmp_path, monkeypatch, en
 
 def test_results_say_whose_uncommitted_changes_measured(tmp_path, monkeypatch):
     """A result's commit is only true of the code measured if neither zload/ nor the benchmark
-    itself had changes on top of it."""
+    itself had changes on top of it; results written since (benchmarks/results) are not code."""
     from benchmarks.load import report
 
     for folder in ("zload", "benchmarks"):
@@ -440,6 +440,8 @@ def test_results_say_whose_uncommitted_changes_measured(tmp_path, monkeypatch):
     for step in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"]):
         subprocess.run(git + step, check=True)
     monkeypatch.setattr(report, "REPO", str(tmp_path))
+    (tmp_path / "benchmarks" / "results").mkdir()
+    (tmp_path / "benchmarks" / "results" / "load-earlier.md").write_text("a result\n")
     assert "uncommitted" not in report.host_info()["zload_commit"]
     (tmp_path / "benchmarks" / "code.py").write_text("x = 2\n")
     assert report.host_info()["zload_commit"].endswith("+uncommitted benchmarks/ changes")
@@ -500,3 +502,18 @@ def test_construction_targets_without_the_zero_init_method():
     init["construct_s"] = 1.6
     assert "1GB: zload.init construction <= 1.5x the allocation floor: NOT MET (1.60 s vs 1.00 s = 1.60x)" \
         in evaluate_targets(data)
+
+
+def test_time_in_collectives_is_split_into_their_own_and_the_waits_before_the_last():
+    """A collective's own time runs from the last rank's arrival to the last return; a rank's wait
+    from its arrival to the last rank's, counted before the last collective only (the wait at the
+    last is the end barrier every method has); ops that do not pair up across ranks give none."""
+    from benchmarks.load.report import _in_collectives
+
+    def ranks(*spans):
+        return [{"segments": {"load": {"comm_spans": s}}} for s in spans]
+
+    own, waited = _in_collectives(ranks([(0.0, 1.5), (5.0, 6.2)], [(1.0, 1.5), (6.0, 6.1)]))
+    assert own == pytest.approx(0.5 + 0.2) and waited == pytest.approx(1.0)
+    assert _in_collectives(ranks([(0.0, 1.0)], [])) == (None, None)
+    assert _in_collectives(ranks([], [])) == (None, None)

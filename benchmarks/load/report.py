@@ -22,9 +22,26 @@ NO_COLLECTIVES = ("floor", "alloc-floor", *CEILINGS)
 READ_NOTES = {"transformers": " (rank 0 only)", **{m: " (its rows, estimated)" for m in ("dcp", *DCP_AFTER.values())}}
 
 
-def _max(ranks, segment, key, default=None, over_ranks=max):
+def _max(ranks, segment, key, default=None):
     values = [r["segments"][segment][key] for r in ranks if key in r["segments"].get(segment, {})]
-    return over_ranks(values) if values else default
+    return max(values) if values else default
+
+
+def _in_collectives(ranks) -> tuple[float | None, float | None]:
+    """(their own time, the longest wait) of the load's collectives, from when each rank entered
+    and left each: a collective's own time runs from the last rank's arrival to the last rank's
+    return; a rank waits from its arrival to the last rank's. Only waits before the last collective
+    count: the wait at the last is what every method, the floor too, spends in the barrier that
+    ends a timed segment. None where the ranks' ops do not pair up (point-to-point ones)."""
+    spans = [r["segments"].get("load", {}).get("comm_spans") for r in ranks]
+    if any(s is None for s in spans) or len({len(s) for s in spans}) != 1 or not spans[0]:
+        return None, None
+    calls = list(zip(*spans))  # each: every rank's (entered, left)
+    last_in = [max(entered for entered, _ in call) for call in calls]
+    own = sum(max(left for _, left in call) - last for call, last in zip(calls, last_in))
+    waited = max(sum(last - call[rank][0] for call, last in zip(calls[:-1], last_in[:-1]))
+                 for rank in range(len(ranks)))
+    return own, waited
 
 
 def _growth(ranks, segment, key="rss") -> float | None:
@@ -52,10 +69,7 @@ def summarize_run(ranks: list[dict]) -> dict:
         "bytes_read_by_rank": [r.get("bytes_read", 0) for r in ranks],
         "collective_received_load": _max(ranks, "load", "comm_received"),
         "collective_received_total": _max(ranks, "total", "comm_received"),
-        # the rank that waits least in the load's collectives mostly waits for the transport, the one
-        # that waits most for the other ranks as well
-        "collective_s_load_least": _max(ranks, "load", "comm_seconds", over_ranks=min),
-        "collective_s_load_most": _max(ranks, "load", "comm_seconds"),
+        **dict(zip(("collective_s_load_own", "collective_s_load_waited"), _in_collectives(ranks))),
         "zload_sent_received": max((r.get("bytes_sent", 0) + r.get("bytes_received", 0) for r in ranks),
                                    default=0),
         "rchar_load": _max(ranks, "load", "rchar"),
@@ -81,8 +95,8 @@ def summarize_run(ranks: list[dict]) -> dict:
 
 _MEDIAN_KEYS = ("load_s", "construct_s", "total_s", "peak_rss", "load_rss_growth", "load_anon_growth",
                 "construct_rss_growth", "total_rss_growth", "partition_bytes", "peak_anon", "bytes_read",
-                "collective_received_load", "collective_received_total", "collective_s_load_least",
-                "collective_s_load_most", "zload_sent_received",
+                "collective_received_load", "collective_received_total", "collective_s_load_own",
+                "collective_s_load_waited", "zload_sent_received",
                 "rchar_load", "load_cpu_user", "load_cpu_system", "reload_s", "gpu_peak", "load_gpu_growth", "construct_gpu_growth")
 
 
@@ -160,7 +174,7 @@ def host_info() -> dict:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, timeout=10, check=False).stdout.strip()
         dirty = [folder for folder in ("zload", "benchmarks")
-                 if subprocess.run(["git", "status", "--porcelain", "--", folder], cwd=REPO, capture_output=True,
+                 if subprocess.run(["git", "status", "--porcelain", "--", folder, ":(exclude)benchmarks/results"], cwd=REPO, capture_output=True,
                                    text=True, timeout=10, check=False).stdout.strip()]
         info["zload_commit"] = head + "".join(f"+uncommitted {folder}/ changes" for folder in dirty)
     except (OSError, subprocess.SubprocessError):
@@ -178,9 +192,9 @@ def fmt_mb(value) -> str:
 
 
 def _waited(median: dict) -> str:
-    """The fewest and the most milliseconds a rank spent in the load's collectives, as " in 0.4-3.1 ms"."""
-    least, most = median.get("collective_s_load_least"), median.get("collective_s_load_most")
-    return "" if least is None or most is None else f" in {least * 1e3:.1f}-{most * 1e3:.1f} ms"
+    """The load's collectives' own milliseconds and the longest wait in them, as ", 1.2 + 4.0 ms"."""
+    own, waited = median.get("collective_s_load_own"), median.get("collective_s_load_waited")
+    return "" if own is None else f", {own * 1e3:.1f} + {waited * 1e3:.1f} ms"
 
 
 def _bytes(value) -> str:
@@ -253,8 +267,8 @@ def markdown(data: dict) -> str:
         if e["method"] in NO_COLLECTIVES:
             coll = "0"
         else:
-            coll = (f"{_bytes(m.get('collective_received_load'))}{_waited(m)}; "
-                    f"{_bytes(m.get('collective_received_total'))}")
+            timed = _waited(m) if data["backend"].startswith("gloo") else ""  # NCCL returns before the GPU is done
+            coll = f"{_bytes(m.get('collective_received_load'))}{timed}; {_bytes(m.get('collective_received_total'))}"
         construct_load = "–" if e["method"] in NO_CONSTRUCT_PLUS_LOAD else fmt_s(m.get("total_s"))
         gb_s = f"{m['load_gb_s']:.2f}" if "load_gb_s" in m else "–"
         lines.append(
@@ -275,9 +289,10 @@ def markdown(data: dict) -> str:
               "transformers' load it "
               "includes the checkpoint pages rank 0 memory-maps). *collectives* counts bytes each rank "
               "receives through torch.distributed collectives (wrapped and counted, not estimated), during "
-              "the load and during construct + load, and (*in* ms) the milliseconds spent in them during the "
-              "load by the rank that spent the least and the one that spent the most (the least is mostly "
-              "the transport's latency, the rest waiting for other ranks); for zload the bytes are its small agreement exchanges "
+              "the load and during construct + load, and (on gloo) the load's collectives' own milliseconds (each "
+              "from the last rank's arrival to the last rank's return, summed) + the longest any rank waited "
+              "in them for a later rank (before the last; the wait at the last is the end barrier every "
+              "method has); for zload the bytes are its small agreement exchanges "
               "(its `bytes_sent + bytes_received`, for ranks lacking a file, is 0 on one machine). "
               "*load CPU s* is the process's user and system CPU seconds during the load, all its "
               "threads (`os.times`), each the largest over ranks on its own (they may be two ranks'). "

@@ -16,7 +16,8 @@ from .methods import RUNNERS, partition_bytes
 
 class CommCounter:
     """Bytes this rank receives through torch.distributed collectives and point-to-point ops, and
-    the seconds it spends in them (waiting for the other ranks included).
+    when it entered and left each (``time.monotonic``, one clock for every process of a machine,
+    so the report can tell a collective's own time from a rank's wait for the others).
 
     Installed before DeepSpeed is imported, so the functions DeepSpeed captures are the counted ones.
     An all-gather counts output - input, a broadcast the tensor on every rank but the source, an
@@ -28,8 +29,8 @@ class CommCounter:
     def __init__(self):
         self.received = 0
         self.calls = 0
-        self.seconds = 0.0
-        self.depth = 0  # a counted op that calls another is timed once
+        self.spans: list[tuple[float, float]] = []  # (entered, left) of each outermost op
+        self.depth = threading.local()  # an op that calls another (recv calls irecv) counts once
 
     def install(self):
         import inspect
@@ -68,20 +69,22 @@ class CommCounter:
             signature = inspect.signature(original)
 
             def counted(*args, __original=original, __signature=signature, __rule=rule, **kwargs):
-                try:
-                    bound = __signature.bind(*args, **kwargs)
-                    self.received += max(0, __rule(bound.arguments))
-                    self.calls += 1
-                except Exception:  # noqa: BLE001, S110 - never let counting break a collective
-                    pass
-                self.depth += 1
-                started = time.perf_counter()
+                outermost = not getattr(self.depth, "value", 0)
+                if outermost:
+                    try:
+                        bound = __signature.bind(*args, **kwargs)
+                        self.received += max(0, __rule(bound.arguments))
+                        self.calls += 1
+                    except Exception:  # noqa: BLE001, S110 - never let counting break a collective
+                        pass
+                self.depth.value = getattr(self.depth, "value", 0) + 1
+                entered = time.monotonic()
                 try:
                     return __original(*args, **kwargs)
                 finally:
-                    self.depth -= 1
-                    if not self.depth:
-                        self.seconds += time.perf_counter() - started
+                    self.depth.value -= 1
+                    if outermost:
+                        self.spans.append((entered, time.monotonic()))
 
             counted.__name__ = original.__name__
             counted.__qualname__ = original.__qualname__
@@ -90,8 +93,9 @@ class CommCounter:
             if getattr(dist, name, None) is original:
                 setattr(dist, name, counted)
 
-    def snapshot(self) -> tuple[int, int, float]:
-        return self.received, self.calls, self.seconds
+    def snapshot(self) -> tuple[int, int, int]:
+        """Bytes received, ops and spans so far."""
+        return self.received, self.calls, len(self.spans)
 
 
 class Meter:
@@ -187,14 +191,14 @@ class Meter:
         high_water = self._high_water()
         if high_water > seg["high_water_before"]:  # a new lifetime peak, so it was reached in here
             seg["rss_peak"] = max(seg["rss_peak"], high_water)
-        received, calls, in_collectives = self.counter.snapshot()
+        received, calls, spans = self.counter.snapshot()
         cpu_after = os.times()
         out = {
             "seconds": seconds,
             "rss_before": seg["rss_before"], "rss_peak": seg["rss_peak"], "rss_after": rss_after,
             "anon_before": seg["anon_before"], "anon_peak": seg["anon_peak"], "anon_after": anon_after,
             "comm_received": received - seg["comm_before"][0], "comm_calls": calls - seg["comm_before"][1],
-            "comm_seconds": in_collectives - seg["comm_before"][2],
+            "comm_spans": self.counter.spans[seg["comm_before"][2]:spans],
             "rchar": self._rchar() - seg["rchar_before"],
             # the process's CPU seconds, all threads: where a copy is slow, user or kernel side
             "cpu_user": cpu_after.user - seg["cpu_before"].user,
