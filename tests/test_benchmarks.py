@@ -111,7 +111,8 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     table = (tmp_path / "load-smoke.md").read_text()
     for method in runs:
         assert f"| {method} |" in table
-    assert re.search(r"\| zload\+init \|.*\| \d+ B, \d+\.\d \+ \d+\.\d ms; \d+ B \|", table)
+    timed = r", \d+\.\d \+ \d+\.\d ms" if data["backend"].startswith("gloo") else ""  # not on NCCL
+    assert re.search(rf"\| zload\+init \|.*\| \d+ B{timed}; \d+ B \|", table)
     assert "| ceiling | – |" in table and "| ceiling-1 | – |" in table and "| dcp | – |" in table  # nothing timed as construction
     # 3 of zload's load, 5 of zload.init's, and each of the two loads warm against DCP, alone and
     # after the same construction
@@ -507,13 +508,45 @@ def test_construction_targets_without_the_zero_init_method():
 def test_time_in_collectives_is_split_into_their_own_and_the_waits_before_the_last():
     """A collective's own time runs from the last rank's arrival to the last return; a rank's wait
     from its arrival to the last rank's, counted before the last collective only (the wait at the
-    last is the end barrier every method has); ops that do not pair up across ranks give none."""
+    last is the end barrier every method has); none where the ranks' collectives differ, or on
+    NCCL (its calls return before the GPU is done)."""
     from benchmarks.load.report import _in_collectives
 
-    def ranks(*spans):
-        return [{"segments": {"load": {"comm_spans": s}}} for s in spans]
+    def ranks(*spans, backend="gloo"):
+        return [{"backend": backend, "segments": {"load": {"comm_spans": s}}} for s in spans]
 
-    own, waited = _in_collectives(ranks([(0.0, 1.5), (5.0, 6.2)], [(1.0, 1.5), (6.0, 6.1)]))
+    two = [("all_reduce", 0.0, 1.5), ("all_reduce", 5.0, 6.2)], [("all_reduce", 1.0, 1.5), ("all_reduce", 6.0, 6.1)]
+    own, waited = _in_collectives(ranks(*two))
     assert own == pytest.approx(0.5 + 0.2) and waited == pytest.approx(1.0)
-    assert _in_collectives(ranks([(0.0, 1.0)], [])) == (None, None)
+    assert _in_collectives(ranks(*two, backend="nccl")) == (None, None)
+    assert _in_collectives(ranks([("all_reduce", 0.0, 1.0)], [("broadcast", 0.0, 1.0)])) == (None, None)
+    assert _in_collectives(ranks([("all_reduce", 0.0, 1.0)], [])) == (None, None)
     assert _in_collectives(ranks([], [])) == (None, None)
+
+
+def test_comm_counter_counts_an_op_inside_another_once_and_times_only_collectives(monkeypatch):
+    """torch's recv calls irecv: its bytes count once; point-to-point ops get no span (not every
+    rank makes them), collectives one each."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from benchmarks.load.worker import CommCounter
+
+    def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+        return None
+
+    def recv(tensor, src=None, group=None, tag=0, group_src=None):
+        return c10d.irecv(tensor, src)
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    for name, fake in (("irecv", irecv), ("recv", recv), ("all_reduce", all_reduce)):
+        monkeypatch.setattr(c10d, name, fake)
+        monkeypatch.setattr(dist, name, fake)
+    counter = CommCounter()
+    counter.install()
+    dist.recv(torch.zeros(4, dtype=torch.int64), 0)
+    dist.all_reduce(torch.zeros(2, dtype=torch.int64))
+    assert counter.received == 32 + 16 and counter.calls == 2
+    assert [op for op, _, _ in counter.spans] == ["all_reduce"]

@@ -28,18 +28,23 @@ def _max(ranks, segment, key, default=None):
 
 
 def _in_collectives(ranks) -> tuple[float | None, float | None]:
-    """(their own time, the longest wait) of the load's collectives, from when each rank entered
-    and left each: a collective's own time runs from the last rank's arrival to the last rank's
-    return; a rank waits from its arrival to the last rank's. Only waits before the last collective
-    count: the wait at the last is what every method, the floor too, spends in the barrier that
-    ends a timed segment. None where the ranks' ops do not pair up (point-to-point ones)."""
-    spans = [r["segments"].get("load", {}).get("comm_spans") for r in ranks]
-    if any(s is None for s in spans) or len({len(s) for s in spans}) != 1 or not spans[0]:
+    """(their own time, the most a rank waited) in the load's collectives, on gloo, from when each
+    rank entered and left each: a collective's own time runs from the last rank's arrival to the
+    last rank's return; a rank waits from its arrival to the last rank's, summed over the
+    collectives before the last (the wait at the last is what every method, the floor too, spends
+    in the barrier that ends a timed segment; a method that ends with more than one collective, as
+    DCP does, has its end-of-reads wait counted). None on NCCL, whose calls return before the GPU
+    is done, and where the ranks' collectives differ."""
+    if any(r.get("backend") != "gloo" for r in ranks):
         return None, None
-    calls = list(zip(*spans))  # each: every rank's (entered, left)
-    last_in = [max(entered for entered, _ in call) for call in calls]
-    own = sum(max(left for _, left in call) - last for call, last in zip(calls, last_in))
-    waited = max(sum(last - call[rank][0] for call, last in zip(calls[:-1], last_in[:-1]))
+    spans = [r["segments"].get("load", {}).get("comm_spans") for r in ranks]
+    if any(s is None for s in spans) or not spans[0] or \
+            len({tuple(op for op, _, _ in s) for s in spans}) != 1:
+        return None, None
+    calls = list(zip(*spans))  # each: every rank's (op, entered, left)
+    last_in = [max(entered for _, entered, _ in call) for call in calls]
+    own = sum(max(left for _, _, left in call) - last for call, last in zip(calls, last_in))
+    waited = max(sum(last - call[rank][1] for call, last in zip(calls[:-1], last_in[:-1]))
                  for rank in range(len(ranks)))
     return own, waited
 
@@ -192,7 +197,7 @@ def fmt_mb(value) -> str:
 
 
 def _waited(median: dict) -> str:
-    """The load's collectives' own milliseconds and the longest wait in them, as ", 1.2 + 4.0 ms"."""
+    """The load's collectives' own milliseconds and the most a rank waited in them, as ", 1.2 + 4.0 ms"."""
     own, waited = median.get("collective_s_load_own"), median.get("collective_s_load_waited")
     return "" if own is None else f", {own * 1e3:.1f} + {waited * 1e3:.1f} ms"
 
@@ -267,8 +272,7 @@ def markdown(data: dict) -> str:
         if e["method"] in NO_COLLECTIVES:
             coll = "0"
         else:
-            timed = _waited(m) if data["backend"].startswith("gloo") else ""  # NCCL returns before the GPU is done
-            coll = f"{_bytes(m.get('collective_received_load'))}{timed}; {_bytes(m.get('collective_received_total'))}"
+            coll = f"{_bytes(m.get('collective_received_load'))}{_waited(m)}; {_bytes(m.get('collective_received_total'))}"
         construct_load = "–" if e["method"] in NO_CONSTRUCT_PLUS_LOAD else fmt_s(m.get("total_s"))
         gb_s = f"{m['load_gb_s']:.2f}" if "load_gb_s" in m else "–"
         lines.append(
@@ -290,9 +294,10 @@ def markdown(data: dict) -> str:
               "includes the checkpoint pages rank 0 memory-maps). *collectives* counts bytes each rank "
               "receives through torch.distributed collectives (wrapped and counted, not estimated), during "
               "the load and during construct + load, and (on gloo) the load's collectives' own milliseconds (each "
-              "from the last rank's arrival to the last rank's return, summed) + the longest any rank waited "
-              "in them for a later rank (before the last; the wait at the last is the end barrier every "
-              "method has); for zload the bytes are its small agreement exchanges "
+              "from the last rank's arrival to the last rank's return, summed) + the most any rank waited in "
+              "all of them but the last for a later rank (the wait at the last is the end barrier every "
+              "method has; DCP ends with two, so its wait for its slowest reader counts); medians of the "
+              "runs taken apart; for zload the bytes are its small agreement exchanges "
               "(its `bytes_sent + bytes_received`, for ranks lacking a file, is 0 on one machine). "
               "*load CPU s* is the process's user and system CPU seconds during the load, all its "
               "threads (`os.times`), each the largest over ranks on its own (they may be two ranks'). "

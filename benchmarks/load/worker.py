@@ -14,6 +14,9 @@ from .checkpoint import evict_page_cache, page_cache_residency
 from .methods import RUNNERS, partition_bytes
 
 
+POINT_TO_POINT = ("recv", "irecv")
+
+
 class CommCounter:
     """Bytes this rank receives through torch.distributed collectives and point-to-point ops, and
     when it entered and left each (``time.monotonic``, one clock for every process of a machine,
@@ -29,7 +32,7 @@ class CommCounter:
     def __init__(self):
         self.received = 0
         self.calls = 0
-        self.spans: list[tuple[float, float]] = []  # (entered, left) of each outermost op
+        self.spans: list[tuple[str, float, float]] = []  # (op, entered, left) of each outermost collective
         self.depth = threading.local()  # an op that calls another (recv calls irecv) counts once
 
     def install(self):
@@ -68,7 +71,7 @@ class CommCounter:
                 continue
             signature = inspect.signature(original)
 
-            def counted(*args, __original=original, __signature=signature, __rule=rule, **kwargs):
+            def counted(*args, __original=original, __signature=signature, __rule=rule, __name=name, **kwargs):
                 outermost = not getattr(self.depth, "value", 0)
                 if outermost:
                     try:
@@ -83,8 +86,8 @@ class CommCounter:
                     return __original(*args, **kwargs)
                 finally:
                     self.depth.value -= 1
-                    if outermost:
-                        self.spans.append((entered, time.monotonic()))
+                    if outermost and __name not in POINT_TO_POINT:  # a recv is not every rank's op
+                        self.spans.append((__name, entered, time.monotonic()))
 
             counted.__name__ = original.__name__
             counted.__qualname__ = original.__qualname__
