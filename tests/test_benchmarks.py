@@ -91,7 +91,8 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     """Every method runs at W=2; the zload and transformers partitions are verified bit for bit;
     each zload rank reads exactly its share (the floor's), transformers reads everything on rank 0;
     zload.init's load exchanges only its agreement bytes, and the table says how long those
-    exchanges took and how long a rank waited in them for the other; the JSON, table and plot are written, and
+    exchanges took and how long a rank waited in them for the other; zload's loads are timed stage
+    by stage, beside the floor; the JSON, table and plot are written, and
     without matplotlib (as on a GPU machine's image) the table still is; and what DCP and the
     ceiling read (``_check_dcp_and_ceiling``)."""
     data, runs, shares = _load_smoke(cache, tmp_path, "benchmarks.load", "--world", "2")
@@ -102,6 +103,11 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     assert runs["zload+init"]["collective_received_total"] < 1000  # zload.init broadcasts nothing
     own, waited = runs["zload+init"]["collective_s_load_own"], runs["zload+init"]["collective_s_load_waited"]
     assert 0 < own and 0 <= waited and own + waited < runs["zload+init"]["load_s"]
+    for method in ("zload", "zload+init"):
+        stages = runs[method]["zload_stages_s"]
+        assert list(stages) == ["headers + sample", "planning", "agreement", "reads", "end agreement"]
+        assert min(stages.values()) > 0 and sum(stages.values()) < runs[method]["load_s"]
+    assert runs["floor"]["zload_stages_s"] is None and runs["dcp"]["zload_stages_s"] is None
     assert runs["alloc-floor"]["partition_bytes"] == runs["zload+init"]["partition_bytes"] >= max(shares)
     assert runs["zload+init"]["construct_rss_growth"] is not None and runs["alloc-floor"]["construct_s"] > 0
     assert runs["transformers"]["verified"] is True
@@ -113,6 +119,8 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
         assert f"| {method} |" in table
     timed = r", \d+\.\d \+ \d+\.\d ms" if data["backend"].startswith("gloo") else ""  # not on NCCL
     assert re.search(rf"\| zload\+init \|.*\| \d+ B{timed}; \d+ B \|", table)
+    # load, the five stages and the rest, then the floor's load
+    assert re.search(rf"\| {SIZE} \| 2 \| zload\+init \|( -?\d+\.\d \|){{7}} \d+\.\d \|", table)
     assert "| ceiling | – |" in table and "| ceiling-1 | – |" in table and "| dcp | – |" in table  # nothing timed as construction
     # 3 of zload's load, 5 of zload.init's, and each of the two loads warm against DCP, alone and
     # after the same construction
@@ -121,6 +129,26 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" raises ImportError
     assert write_outputs(data, str(tmp_path / "again")) == ".md"
     assert (tmp_path / "again.md").read_text() == table and not (tmp_path / "again.png").exists()
+
+
+def test_timed_stages_puts_back_what_it_timed():
+    """The load benchmark times zload's stages by wrapping its functions for one load; after it
+    they are zload's own again, and each call was counted to its stage."""
+    import importlib
+
+    from benchmarks.load.methods import ZLOAD_STAGES, timed_stages
+
+    def functions():
+        return [getattr(importlib.import_module(f"zload.{module}"), name) for module, name, _ in ZLOAD_STAGES]
+
+    before = functions()
+    with timed_stages() as seconds:
+        assert all(wrapped is not own for wrapped, own in zip(functions(), before))
+        import zload.checkpoint
+
+        assert zload.checkpoint.reduce_max([3, 4]) == [3, 4]  # one process: no collective
+    assert all(now is own for now, own in zip(functions(), before))
+    assert list(seconds) == ["agreement"] and seconds["agreement"] > 0
 
 
 def _check_dcp_and_ceiling(data: dict, runs: dict) -> None:

@@ -327,14 +327,57 @@ def build_model(folder: str, meter, args, how: str):
     return model
 
 
+# The stages of a load_into, timed in the measured load: (zload module, function, stage). On the
+# usual path (one whole checkpoint that every rank sees) each function runs once per load;
+# "agreement" also waits for the slowest rank's planning, "end agreement" for its reads.
+ZLOAD_STAGES = (("checkpoint", "local_view", "headers + sample"), ("load", "collect_targets", "planning"),
+                ("load", "match", "planning"), ("load", "make_plan", "planning"),
+                ("checkpoint", "reduce_max", "agreement"), ("load", "execute", "reads"),
+                ("load", "agree", "end agreement"))
+
+
+@contextlib.contextmanager
+def timed_stages():
+    """While the block runs, zload's ``ZLOAD_STAGES`` functions are timed: yields {stage: seconds,
+    summed over its calls}; the functions are put back after. Where the rest of a load goes once
+    the planning, the waits and the reads are set apart."""
+    import functools
+    import importlib
+    import time
+
+    seconds: dict[str, float] = {}
+
+    def timed(function, stage):
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - started
+        return run
+
+    saved = []
+    try:
+        for module_name, name, stage in ZLOAD_STAGES:
+            module = importlib.import_module(f"zload.{module_name}")
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, timed(saved[-1][2], stage))
+        yield seconds
+    finally:
+        for module, name, function in saved:
+            setattr(module, name, function)
+
+
 def zload_load(folder: str, meter, args, build: str) -> dict:
     import zload
 
     model = build_model(folder, meter, args, build)
-    meter.begin("load")
-    report = zload.load_into(model, folder, progress=False, staging_bytes=args.staging_bytes,
-                             verify=args.load_verify)
-    meter.end("load")
+    with timed_stages() as stages:
+        meter.begin("load")
+        report = zload.load_into(model, folder, progress=False, staging_bytes=args.staging_bytes,
+                                 verify=args.load_verify)
+        meter.end("load")
     meter.end("total")
     verified = verify_partitions(model, folder) if args.verify else None
     # Diagnostic, not a headline number: the same load again in this process, where one-time costs
@@ -345,7 +388,8 @@ def zload_load(folder: str, meter, args, build: str) -> dict:
     meter.end("reload")
     return {"bytes_read": report.bytes_read, "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received, "report_seconds": report.seconds,
-            "loaded": len(report.loaded), "verified": verified, "zload_file": zload.__file__}
+            "loaded": len(report.loaded), "verified": verified, "zload_file": zload.__file__,
+            "stages_s": stages}
 
 
 def transformers_load(folder: str, meter, args) -> dict:
