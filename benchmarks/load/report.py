@@ -56,12 +56,14 @@ def _growth(ranks, segment, key="rss") -> float | None:
     return max(values) if values else None
 
 
-def _stages(ranks) -> dict | None:
-    """zload's stages of the load (``methods.ZLOAD_STAGES``): each stage's seconds, the mean over ranks."""
-    if any("stages_s" not in r for r in ranks):
+def _stages(ranks, load_s: float | None) -> dict | None:
+    """zload's stages of the load (``methods.ZLOAD_STAGES``): each stage's seconds, the mean over
+    ranks, and "rest", the load less them."""
+    if load_s is None or any("stages_s" not in r for r in ranks):
         return None
     names = dict.fromkeys(stage for r in ranks for stage in r["stages_s"])
-    return {stage: statistics.mean(r["stages_s"].get(stage, 0.0) for r in ranks) for stage in names}
+    stages = {stage: statistics.mean(r["stages_s"].get(stage, 0.0) for r in ranks) for stage in names}
+    return {**stages, "rest": load_s - sum(stages.values())}
 
 
 def summarize_run(ranks: list[dict]) -> dict:
@@ -89,7 +91,7 @@ def summarize_run(ranks: list[dict]) -> dict:
         "load_cpu_user": _max(ranks, "load", "cpu_user"),
         "load_cpu_system": _max(ranks, "load", "cpu_system"),
         "reload_s": _max(ranks, "reload", "seconds"),
-        "zload_stages_s": _stages(ranks),
+        "zload_stages_s": _stages(ranks, _max(ranks, "load", "seconds")),
         "zload_file": ranks[0].get("zload_file"),
         "page_cache_resident": min((r["page_cache_resident"] for r in ranks
                                     if r.get("page_cache_resident") is not None), default=None),
@@ -269,14 +271,13 @@ def _stage_table(data: dict) -> list[str]:
         return []
     floors = {(e["size"], e["world"]): e["median"].get("load_s") for e in data["results"] if e["method"] == "floor"}
     names = list(dict.fromkeys(n for e in rows for n in e["median"]["zload_stages_s"]))
-    lines = ["| checkpoint | W | method | load | " + " | ".join(names) + " | rest | floor |",
-             "|---|---:|---|---:|" + "---:|" * (len(names) + 2)]
+    lines = ["| checkpoint | W | method | load | " + " | ".join(names) + " | floor |",
+             "|---|---:|---|---:|" + "---:|" * (len(names) + 1)]
     for e in rows:
         stages, load = e["median"]["zload_stages_s"], e["median"]["load_s"]
         floor = floors.get((e["size"], e["world"]))
         lines.append(f"| {e['size']} | {e['world']} | {e['method']} | {load * 1e3:.1f} | "
-                     + " | ".join(f"{stages.get(n, 0.0) * 1e3:.1f}" for n in names)
-                     + f" | {(load - sum(stages.values())) * 1e3:.1f} | "
+                     + " | ".join(f"{stages.get(n, 0.0) * 1e3:.1f}" for n in names) + " | "
                      + ("–" if floor is None else f"{floor * 1e3:.1f}") + " |")
     return ["Where zload's load goes (milliseconds, medians of the runs; each stage the mean over ranks): "
             "*headers + sample* opens the files, checks their headers and digests a sample of each; "
@@ -284,7 +285,8 @@ def _stage_table(data: dict) -> list[str]:
             "*agreement* is the all-reduce that settles that every rank planned the same checkpoint "
             "without a problem, a rank waiting there for the slowest rank's planning; *reads* is the "
             "executor; *end agreement* settles that every rank read without a problem, a rank waiting "
-            "there for the slowest rank's reads; *rest* is the load less the stages; *floor* is the "
+            "there for the slowest rank's reads; *rest* is the load less the stages (in each run, then the "
+            "median); *floor* is the "
             "floor's load at the same size and world size.", "", *lines, ""]
 
 
