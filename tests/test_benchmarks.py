@@ -106,7 +106,8 @@ def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatc
     for method in ("zload", "zload+init"):
         *stages, rest = runs[method]["zload_stages_s"].items()
         assert [name for name, _ in stages] == ["headers + sample", "planning", "agreement", "reads", "end agreement"]
-        assert min(s for _, s in stages) > 0 and rest == ("rest", runs[method]["load_s"] - sum(s for _, s in stages))
+        assert min(s for _, s in stages) > 0 and rest[0] == "rest"
+        assert 0 < rest[1] < runs[method]["load_s"] - sum(s for _, s in stages) + 0.001  # each rank's load <= the max
     assert runs["floor"]["zload_stages_s"] is None and runs["dcp"]["zload_stages_s"] is None
     assert runs["alloc-floor"]["partition_bytes"] == runs["zload+init"]["partition_bytes"] >= max(shares)
     assert runs["zload+init"]["construct_rss_growth"] is not None and runs["alloc-floor"]["construct_s"] > 0
@@ -136,7 +137,7 @@ def test_timed_stages_puts_back_what_it_timed():
     they are zload's own again, and each call was counted to its stage."""
     import importlib
 
-    from benchmarks.load.methods import ZLOAD_STAGES, timed_stages
+    from benchmarks.load.stages import ZLOAD_STAGES, timed_stages
 
     def functions():
         return [getattr(importlib.import_module(f"zload.{module}"), name) for module, name, _ in ZLOAD_STAGES]

@@ -30,6 +30,7 @@ def test_every_python_snippet_in_the_readme_runs(tmp_path):
 
     snippets = python_snippets((REPO / "README.md").read_text())
     assert len(snippets) >= 4
+    assert "os._exit(" in snippets[-1] and not any("os._exit(" in s for s in snippets[:-1])  # it ends them
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=4, vocab_size=256, tie_word_embeddings=False)

@@ -8,6 +8,7 @@ import contextlib
 import os
 
 from .checkpoint import checkpoint_bytes, checkpoint_files
+from .stages import timed_stages
 
 CEILING_BLOCK = 16 << 20  # bytes per os.preadv of the device ceiling
 CEILING_THREADS = 4  # the device ceiling's parallel readers (``ceiling-1``: one)
@@ -325,48 +326,6 @@ def build_model(folder: str, meter, args, how: str):
         model = LlamaForCausalLM(config)
     meter.end("construct")
     return model
-
-
-# The stages of a load_into, timed in the measured load: (zload module, function, stage). On the
-# usual path (one whole checkpoint that every rank sees) each function runs once per load;
-# "agreement" also waits for the slowest rank's planning, "end agreement" for its reads.
-ZLOAD_STAGES = (("checkpoint", "local_view", "headers + sample"), ("load", "collect_targets", "planning"),
-                ("load", "match", "planning"), ("load", "make_plan", "planning"),
-                ("checkpoint", "reduce_max", "agreement"), ("load", "execute", "reads"),
-                ("load", "agree", "end agreement"))
-
-
-@contextlib.contextmanager
-def timed_stages():
-    """While the block runs, zload's ``ZLOAD_STAGES`` functions are timed: yields {stage: seconds,
-    summed over its calls}; the functions are put back after. Where the rest of a load goes once
-    the planning, the waits and the reads are set apart."""
-    import functools
-    import importlib
-    import time
-
-    seconds: dict[str, float] = {}
-
-    def timed(function, stage):
-        @functools.wraps(function)
-        def run(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - started
-        return run
-
-    saved = []
-    try:
-        for module_name, name, stage in ZLOAD_STAGES:
-            module = importlib.import_module(f"zload.{module_name}")
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, timed(saved[-1][2], stage))
-        yield seconds
-    finally:
-        for module, name, function in saved:
-            setattr(module, name, function)
 
 
 def zload_load(folder: str, meter, args, build: str) -> dict:

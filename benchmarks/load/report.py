@@ -1,5 +1,4 @@
-"""From per-rank results to medians, targets, the markdown table and the plot.
-"""
+"""From per-rank results to medians, targets, the markdown table and the plot."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import subprocess
 import time
 
 from . import MB, REPO, log
+from .stages import stage_medians, stage_table, stages_of_run
 
 CEILINGS = ("ceiling", "ceiling-1")  # the device ceiling with four reader threads a rank, with one
 UNTIMED_CONSTRUCT = ("floor", *CEILINGS, "dcp")  # their buffers or partitions are made before timing
@@ -56,16 +56,6 @@ def _growth(ranks, segment, key="rss") -> float | None:
     return max(values) if values else None
 
 
-def _stages(ranks, load_s: float | None) -> dict | None:
-    """zload's stages of the load (``methods.ZLOAD_STAGES``): each stage's seconds, the mean over
-    ranks, and "rest", the load less them."""
-    if load_s is None or any("stages_s" not in r for r in ranks):
-        return None
-    names = dict.fromkeys(stage for r in ranks for stage in r["stages_s"])
-    stages = {stage: statistics.mean(r["stages_s"].get(stage, 0.0) for r in ranks) for stage in names}
-    return {**stages, "rest": load_s - sum(stages.values())}
-
-
 def summarize_run(ranks: list[dict]) -> dict:
     """One measurement: the max over ranks of every quantity."""
     run = {
@@ -91,7 +81,7 @@ def summarize_run(ranks: list[dict]) -> dict:
         "load_cpu_user": _max(ranks, "load", "cpu_user"),
         "load_cpu_system": _max(ranks, "load", "cpu_system"),
         "reload_s": _max(ranks, "reload", "seconds"),
-        "zload_stages_s": _stages(ranks, _max(ranks, "load", "seconds")),
+        "zload_stages_s": stages_of_run(ranks),
         "zload_file": ranks[0].get("zload_file"),
         "page_cache_resident": min((r["page_cache_resident"] for r in ranks
                                     if r.get("page_cache_resident") is not None), default=None),
@@ -112,8 +102,8 @@ def summarize_run(ranks: list[dict]) -> dict:
 _MEDIAN_KEYS = ("load_s", "construct_s", "total_s", "peak_rss", "load_rss_growth", "load_anon_growth",
                 "construct_rss_growth", "total_rss_growth", "partition_bytes", "peak_anon", "bytes_read",
                 "collective_received_load", "collective_received_total", "collective_s_load_own",
-                "collective_s_load_waited", "zload_sent_received",
-                "rchar_load", "load_cpu_user", "load_cpu_system", "reload_s", "gpu_peak", "load_gpu_growth", "construct_gpu_growth")
+                "collective_s_load_waited", "zload_sent_received", "rchar_load", "load_cpu_user", "load_cpu_system",
+                "reload_s", "gpu_peak", "load_gpu_growth", "construct_gpu_growth")
 
 
 def summarize(entry: dict) -> None:
@@ -127,17 +117,13 @@ def summarize(entry: dict) -> None:
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             med[f"max_{key}"] = max(values)
-    stages = [r["zload_stages_s"] for r in runs if r.get("zload_stages_s")]
-    if stages:
-        med["zload_stages_s"] = {name: statistics.median(s.get(name, 0.0) for s in stages)
-                                 for name in dict.fromkeys(n for s in stages for n in s)}
+    med.update(stage_medians(runs))
     if "load_s" in med:
         med["load_gb_s"] = entry["checkpoint_bytes"] / med["load_s"] / 1e9
         med["load_s_min"] = min(r["load_s"] for r in runs)
         med["load_s_max"] = max(r["load_s"] for r in runs)
     entry["median"] = med
-    entry["verified"] = (None if any(r["verified"] is None for r in runs)
-                         else all(r["verified"] for r in runs))
+    entry["verified"] = None if any(r["verified"] is None for r in runs) else all(r["verified"] for r in runs)
 
 
 def zload_source_hash(root: str) -> str:
@@ -264,32 +250,6 @@ def _residency(data: dict) -> str:
         for s in data["checkpoints"])
 
 
-def _stage_table(data: dict) -> list[str]:
-    """zload's load stage by stage, beside the floor's load, where the stages were timed."""
-    rows = [e for e in data["results"] if e["median"].get("zload_stages_s")]
-    if not rows:
-        return []
-    floors = {(e["size"], e["world"]): e["median"].get("load_s") for e in data["results"] if e["method"] == "floor"}
-    names = list(dict.fromkeys(n for e in rows for n in e["median"]["zload_stages_s"]))
-    lines = ["| checkpoint | W | method | load | " + " | ".join(names) + " | floor |",
-             "|---|---:|---|---:|" + "---:|" * (len(names) + 1)]
-    for e in rows:
-        stages, load = e["median"]["zload_stages_s"], e["median"]["load_s"]
-        floor = floors.get((e["size"], e["world"]))
-        lines.append(f"| {e['size']} | {e['world']} | {e['method']} | {load * 1e3:.1f} | "
-                     + " | ".join(f"{stages.get(n, 0.0) * 1e3:.1f}" for n in names) + " | "
-                     + ("–" if floor is None else f"{floor * 1e3:.1f}") + " |")
-    return ["Where zload's load goes (milliseconds, medians of the runs; each stage the mean over ranks): "
-            "*headers + sample* opens the files, checks their headers and digests a sample of each; "
-            "*planning* matches names and plans the reads (`collect_targets`, `match`, `make_plan`); "
-            "*agreement* is the all-reduce that settles that every rank planned the same checkpoint "
-            "without a problem, a rank waiting there for the slowest rank's planning; *reads* is the "
-            "executor; *end agreement* settles that every rank read without a problem, a rank waiting "
-            "there for the slowest rank's reads; *rest* is the load less the stages (in each run, then the "
-            "median); *floor* is the "
-            "floor's load at the same size and world size.", "", *lines, ""]
-
-
 def markdown(data: dict) -> str:
     host = data["host"]
     gpu = any("gpu_peak" in e["median"] for e in data["results"])
@@ -345,7 +305,7 @@ def markdown(data: dict) -> str:
               "zload's reads (`pread`) copy out of the page cache in the kernel, as system time; DCP "
               "copies out of a memory map in user space, as user time (its page faults are system time)."),
               ""]
-    lines += _stage_table(data)
+    lines += stage_table(data)
     if data.get("notes"):
         lines += [f"- {note}" for note in data["notes"]] + [""]
     lines += ["Targets (at world size 2 where no W is named):", ""] + [f"- {t}" for t in data.get("targets", [])]
