@@ -12,7 +12,8 @@ after round, the checkpoint's page cache is emptied before each method and the m
 barrier to barrier (the slowest rank), the order of the methods reversed every other round. So
 what differs between the methods is what they read and copy, and the two zload loads differ only
 in the model they write into. The loads are checked against the checkpoint after the last round
-(but with ``--no-verify``). Results: ``OUT/cold-one-world-<name>.{json,md,png}``.
+(but with ``--no-verify``). Results: ``OUT/cold-one-world-<name>.{json,md,png}``; a point whose
+world fails is left out of them, named, and the command fails once the other points are measured.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def markdown(data: dict) -> str:
     for label, a, b in ratios:
         if a in methods and b in methods:
             lines.append(f"| {label} | " + " | ".join(f"{p['median'][a] / p['median'][b]:.2f}x" for p in points) + " |")
+    lines += [f"\nNot measured: {note}" for note in data.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -195,7 +197,7 @@ def plot(data: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cold_one_world", description=__doc__.split("\n")[0])
     p.add_argument("--size", nargs="+", type=parse_size_spec, default=None,
                    help="checkpoint sizes, as the load benchmark's --size (600MB@2: at world size 2 only); "
@@ -217,7 +219,7 @@ def main() -> None:
         p.error("--rounds must be at least 1 and --methods name each method once")
     if args.worker:
         return worker(args)
-    points = []
+    points, failures = [], []
     with scratch_folders() as (args.snapshot, logs), tempfile.TemporaryDirectory(prefix="zload-bench-") as results:
         for size, nbytes, worlds in args.size or [parse_size_spec("300MB")]:
             config = llama_config(nbytes)
@@ -227,10 +229,16 @@ def main() -> None:
                 what = f"{size} at world {world}"
                 result = os.path.join(results, f"{size}-{world}.json")
                 log(f"{what}: building, then {args.rounds} cold rounds of {', '.join(args.methods)}")
-                launch_local(["-m", "benchmarks.cold_one_world", "--worker", "--checkpoint", folder, "--result",
-                              result, "--rounds", str(args.rounds), "--methods", *args.methods]
-                             + ([] if args.verify else ["--no-verify"]),
-                             world, args, os.path.join(logs, f"{size}-{world}.log"), f"the cold rounds of {what}")
+                try:
+                    launch_local(["-m", "benchmarks.cold_one_world", "--worker", "--checkpoint", folder, "--result",
+                                  result, "--rounds", str(args.rounds), "--methods", *args.methods]
+                                 + ([] if args.verify else ["--no-verify"]),
+                                 world, args, os.path.join(logs, f"{size}-{world}.log"), f"the cold rounds of {what}")
+                except RuntimeError as e:  # a point takes minutes: the others still run, and are saved
+                    log(str(e))
+                    failures.append(f"{what}: its world failed (the end of its log is in this command's output, "
+                                    f"the whole log in {logs})")
+                    continue
                 with open(result) as f:
                     got = json.load(f)
                 failed = {f"{name} on rank {rank}": check for rank, checks in enumerate(got["checks"])
@@ -239,13 +247,19 @@ def main() -> None:
                     raise RuntimeError(f"{what}: a load differs from the checkpoint: {failed}")
                 points.append({"size": size, "bytes": checkpoint_bytes(folder), "world": world, "checkpoint": folder,
                                **got, "median": {name: statistics.median(s) for name, s in got["seconds"].items()}})
-    command = "python -m benchmarks.cold_one_world " + shlex.join(sys.argv[1:])
-    data = save_results(args.out, f"cold-one-world-{args.name}", command, points, markdown)
-    try:
-        plot(data, os.path.join(args.out, f"cold-one-world-{args.name}.png"))
-    except ImportError:
-        log("no matplotlib here, so no plot (pip install -e '.[bench]')")
+        if not points:
+            raise RuntimeError("no point was measured: " + "; ".join(failures))
+        command = "python -m benchmarks.cold_one_world " + shlex.join(sys.argv[1:])
+        data = save_results(args.out, f"cold-one-world-{args.name}", command, points, markdown, failures)
+        try:
+            plot(data, os.path.join(args.out, f"cold-one-world-{args.name}.png"))
+        except ImportError:
+            log("no matplotlib here, so no plot (pip install -e '.[bench]')")
+        if failures:  # raised here, so the worlds' logs are kept
+            raise RuntimeError(f"{len(failures)} of {len(failures) + len(points)} points not measured (the others "
+                               f"are saved): " + "; ".join(failures))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -426,6 +426,40 @@ def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache,
     assert (tmp_path / "cold-one-world-t.png").stat().st_size > 0
 
 
+def test_one_world_benchmark_keeps_the_points_measured_beside_a_failed_one(cache, tmp_path, monkeypatch):
+    """A point's world that fails (its launch raises, as on a crash or timeout) is named in the
+    results and the command fails, but the points before and after it are still measured and saved,
+    and the worlds' logs are kept. Nothing is launched: each world writes a made-up result."""
+    from benchmarks import cold_one_world
+
+    methods = list(cold_one_world.METHODS)
+
+    def launch(worker_args, world, args, log_path, what):
+        Path(log_path).write_text(f"the log of {what}")
+        if world == 2:
+            raise RuntimeError(f"{what} failed (1); log {log_path}")
+        result = {"seconds": {m: [0.5, 0.25] for m in methods}, "residency": [0.0] * 2 * len(methods),
+                  "order": [methods, methods[::-1]], "checks": [{m: {"ok": True} for m in methods[:3]}] * world,
+                  "threads": 1, "device": "cpu"}
+        Path(worker_args[worker_args.index("--result") + 1]).write_text(json.dumps(result))
+
+    monkeypatch.setattr(cold_one_world, "launch_local", launch)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(sys, "argv", ["cold_one_world", "--size", SIZE, "--world", "1", "2", "3", "--cache",
+                                      str(cache), "--out", str(tmp_path), "--name", "t"])
+    with pytest.raises(RuntimeError, match=f"1 of 3 points not measured .*{SIZE} at world 2: its world failed"):
+        cold_one_world.main()
+    data = json.loads((tmp_path / "cold-one-world-t.json").read_text())
+    assert [p["world"] for p in data["results"]] == [1, 3]
+    (note,) = data["notes"]
+    assert note.startswith(f"{SIZE} at world 2: its world failed")
+    assert f"Not measured: {note}" in (tmp_path / "cold-one-world-t.md").read_text()
+    (logs,) = (tmp_path / "tmp").glob("zload-bench-*")  # the snapshot of zload's sources goes, the logs stay
+    assert logs.name.startswith("zload-bench-logs-") and str(logs) in note
+    assert sorted(f.name for f in logs.iterdir()) == [f"{SIZE}-{w}.log" for w in (1, 2, 3)]
+
+
 @pytest.mark.parametrize("ending", ["timeout", "interrupt"])
 def test_a_world_stopped_early_leaves_no_worker_behind(tmp_path, monkeypatch, ending):
     """Past its timeout, or interrupted (Ctrl-C) while the launcher waits. torchrun starts each
