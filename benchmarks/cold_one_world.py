@@ -12,8 +12,10 @@ after round, the checkpoint's page cache is emptied before each method and the m
 barrier to barrier (the slowest rank), the order of the methods reversed every other round. So
 what differs between the methods is what they read and copy, and the two zload loads differ only
 in the model they write into. The loads are checked against the checkpoint after the last round
-(but with ``--no-verify``). Results: ``OUT/cold-one-world-<name>.{json,md,png}``; a point whose
-world fails is left out of them, named, and the command fails once the other points are measured.
+(but with ``--no-verify``). Results: ``OUT/cold-one-world-<name>.{json,md,png}``. A point whose
+world fails (a crash, a timeout) is left out and the others are still measured; the results are
+then saved as ``<name>-partial``, naming it, and the command fails. A load that differs from the
+checkpoint stops the command at once, nothing saved.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -154,7 +157,7 @@ def markdown(data: dict) -> str:
     residency = [r for p in points for r in p["residency"] if r is not None]
     checked = ("every rank's loads checked against the checkpoint after the last round"
                if all(p["checks"] and all(c for c in p["checks"]) for p in points) else "not checked")
-    lines = [f"`{data['command']}`", "",
+    lines = [f"`{data['command']}`", "", *(f"Note: {note}\n" for note in data.get("notes", [])),
              f"One world per point, page cache emptied before every measurement (highest residency left: "
              f"{max(residency, default=None)}); median of {len(points[0]['seconds'][methods[0]])} rounds, the "
              f"order reversed every other round; the slowest rank's seconds (GB/s: tensor bytes / seconds); "
@@ -170,7 +173,6 @@ def markdown(data: dict) -> str:
     for label, a, b in ratios:
         if a in methods and b in methods:
             lines.append(f"| {label} | " + " | ".join(f"{p['median'][a] / p['median'][b]:.2f}x" for p in points) + " |")
-    lines += [f"\nNot measured: {note}" for note in data.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -190,7 +192,7 @@ def plot(data: dict, path: str) -> None:
     ax.set_xticks(range(len(points)), [_label(p) for p in points])
     ax.set(ylabel="GB/s (tensor bytes / median load s)",
            title=f"cold loads in one world, the page cache emptied before each ({data['host']['cpu_cores_usable']} "
-                 f"cores, {data['date']})")
+                 f"cores, {data['date']}{'; partial, see the notes' if data.get('notes') else ''})")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
@@ -219,14 +221,15 @@ def main() -> int:
         p.error("--rounds must be at least 1 and --methods name each method once")
     if args.worker:
         return worker(args)
-    points, failures = [], []
+    points, failures, notes = [], [], []  # notes: each point not measured, each measured after one
+    what = None
     with scratch_folders() as (args.snapshot, logs), tempfile.TemporaryDirectory(prefix="zload-bench-") as results:
         for size, nbytes, worlds in args.size or [parse_size_spec("300MB")]:
             config = llama_config(nbytes)
             folder = checkpoint_dir(args.cache, config, args.shard_size)
             ensure_checkpoint(folder, config, args.shard_size)
             for world in worlds or args.world:
-                what = f"{size} at world {world}"
+                previous, what = what, f"{size} at world {world}"
                 result = os.path.join(results, f"{size}-{world}.json")
                 log(f"{what}: building, then {args.rounds} cold rounds of {', '.join(args.methods)}")
                 try:
@@ -236,28 +239,32 @@ def main() -> int:
                                  world, args, os.path.join(logs, f"{size}-{world}.log"), f"the cold rounds of {what}")
                 except RuntimeError as e:  # a point takes minutes: the others still run, and are saved
                     log(str(e))
-                    failures.append(f"{what}: its world failed (the end of its log is in this command's output, "
-                                    f"the whole log in {logs})")
+                    failures.append(what)
+                    notes.append(f"{what}: not measured: {str(e).splitlines()[0].rstrip(':')}")
                     continue
                 with open(result) as f:
                     got = json.load(f)
                 failed = {f"{name} on rank {rank}": check for rank, checks in enumerate(got["checks"])
                           for name, check in checks.items() if not check["ok"]}
                 if failed:
+                    shutil.copy(result, logs)  # every rank's checks, kept with the logs
                     raise RuntimeError(f"{what}: a load differs from the checkpoint: {failed}")
+                if failures and failures[-1] == previous:
+                    notes.append(f"{what}: measured right after the failed world of {previous}")
                 points.append({"size": size, "bytes": checkpoint_bytes(folder), "world": world, "checkpoint": folder,
                                **got, "median": {name: statistics.median(s) for name, s in got["seconds"].items()}})
         if not points:
-            raise RuntimeError("no point was measured: " + "; ".join(failures))
+            raise RuntimeError("no point was measured, nothing saved: " + "; ".join(notes))
         command = "python -m benchmarks.cold_one_world " + shlex.join(sys.argv[1:])
-        data = save_results(args.out, f"cold-one-world-{args.name}", command, points, markdown, failures)
+        name = f"cold-one-world-{args.name}" + ("-partial" if failures else "")  # never in place of a whole run
+        data = save_results(args.out, name, command, points, markdown, notes)
         try:
-            plot(data, os.path.join(args.out, f"cold-one-world-{args.name}.png"))
+            plot(data, os.path.join(args.out, f"{name}.png"))
         except ImportError:
             log("no matplotlib here, so no plot (pip install -e '.[bench]')")
         if failures:  # raised here, so the worlds' logs are kept
-            raise RuntimeError(f"{len(failures)} of {len(failures) + len(points)} points not measured (the others "
-                               f"are saved): " + "; ".join(failures))
+            raise RuntimeError(f"{len(failures)} of {len(failures) + len(points)} points not measured, the others "
+                               f"saved as {name}: " + "; ".join(failures))
     return 0
 
 

@@ -426,18 +426,20 @@ def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache,
     assert (tmp_path / "cold-one-world-t.png").stat().st_size > 0
 
 
-def test_one_world_benchmark_keeps_the_points_measured_beside_a_failed_one(cache, tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing", [{2}, {1, 2, 3}])
+def test_one_world_benchmark_keeps_the_points_measured_beside_a_failed_one(cache, tmp_path, monkeypatch, failing):
     """A point's world that fails (its launch raises, as on a crash or timeout) is named in the
     results and the command fails, but the points before and after it are still measured and saved,
-    and the worlds' logs are kept. Nothing is launched: each world writes a made-up result."""
+    apart from a whole run's files, and the worlds' logs are kept; with no point measured nothing is
+    saved. Nothing is launched: each world writes a made-up result."""
     from benchmarks import cold_one_world
 
     methods = list(cold_one_world.METHODS)
 
     def launch(worker_args, world, args, log_path, what):
         Path(log_path).write_text(f"the log of {what}")
-        if world == 2:
-            raise RuntimeError(f"{what} failed (1); log {log_path}")
+        if world in failing:
+            raise RuntimeError(f"{what} failed (1); log {log_path}:\nits last lines")
         result = {"seconds": {m: [0.5, 0.25] for m in methods}, "residency": [0.0] * 2 * len(methods),
                   "order": [methods, methods[::-1]], "checks": [{m: {"ok": True} for m in methods[:3]}] * world,
                   "threads": 1, "device": "cpu"}
@@ -447,17 +449,25 @@ def test_one_world_benchmark_keeps_the_points_measured_beside_a_failed_one(cache
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(sys, "argv", ["cold_one_world", "--size", SIZE, "--world", "1", "2", "3", "--cache",
-                                      str(cache), "--out", str(tmp_path), "--name", "t"])
-    with pytest.raises(RuntimeError, match=f"1 of 3 points not measured .*{SIZE} at world 2: its world failed"):
+                                      str(cache), "--out", str(tmp_path / "out"), "--name", "t"])
+    expected = "no point was measured, nothing saved" if len(failing) == 3 else "1 of 3 points not measured"
+    with pytest.raises(RuntimeError, match=expected):
         cold_one_world.main()
-    data = json.loads((tmp_path / "cold-one-world-t.json").read_text())
-    assert [p["world"] for p in data["results"]] == [1, 3]
-    (note,) = data["notes"]
-    assert note.startswith(f"{SIZE} at world 2: its world failed")
-    assert f"Not measured: {note}" in (tmp_path / "cold-one-world-t.md").read_text()
     (logs,) = (tmp_path / "tmp").glob("zload-bench-*")  # the snapshot of zload's sources goes, the logs stay
-    assert logs.name.startswith("zload-bench-logs-") and str(logs) in note
+    assert logs.name.startswith("zload-bench-logs-")
     assert sorted(f.name for f in logs.iterdir()) == [f"{SIZE}-{w}.log" for w in (1, 2, 3)]
+    if len(failing) == 3:
+        assert not (tmp_path / "out").exists()
+        return
+    assert sorted(f.name for f in (tmp_path / "out").iterdir()) == [f"cold-one-world-t-partial.{e}" for e in
+                                                                    ("json", "md", "png")]
+    data = json.loads((tmp_path / "out" / "cold-one-world-t-partial.json").read_text())
+    assert [p["world"] for p in data["results"]] == [1, 3]
+    assert data["notes"] == [f"{SIZE} at world 2: not measured: the cold rounds of {SIZE} at world 2 failed (1); "
+                             f"log {logs / f'{SIZE}-2.log'}",
+                             f"{SIZE} at world 3: measured right after the failed world of {SIZE} at world 2"]
+    table = (tmp_path / "out" / "cold-one-world-t-partial.md").read_text()
+    assert all(f"Note: {note}" in table.split("| method |")[0] for note in data["notes"])  # above the tables
 
 
 @pytest.mark.parametrize("ending", ["timeout", "interrupt"])

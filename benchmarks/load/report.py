@@ -139,11 +139,11 @@ def zload_source_hash(root: str) -> str:
     return digest.hexdigest()[:12]
 
 
-def save_results(out: str, name: str, command: str, results: list, markdown, notes: list[str] = ()) -> dict:
+def save_results(out: str, name: str, command: str, results: list, markdown, notes: list[str] | None = None) -> dict:
     """``OUT/NAME.json`` (the command, date, host, the zload source's hash, ``results``, any ``notes``)
     and ``OUT/NAME.md`` (``markdown`` of it, also printed), as the single-file benchmarks write them."""
     data = {"command": command, "date": time.strftime("%Y-%m-%d"), "host": host_info(),
-            "zload_source": zload_source_hash(os.path.join(REPO, "zload")), "results": results, "notes": list(notes)}
+            "zload_source": zload_source_hash(os.path.join(REPO, "zload")), "results": results, "notes": notes or []}
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, name)
     with open(stem + ".json", "w") as f:
