@@ -14,8 +14,8 @@ what differs between the methods is what they read and copy, and the two zload l
 in the model they write into. The loads are checked against the checkpoint after the last round
 (but with ``--no-verify``). Results: ``OUT/cold-one-world-<name>.{json,md,png}``. A point whose
 world fails (a crash, a timeout) is left out and the others are still measured; the results are
-then saved as ``<name>-partial``, naming it, and the command fails. A load that differs from the
-checkpoint stops the command at once, nothing saved.
+then saved as ``OUT/cold-one-world-<name>-partial.*``, naming it, and the command fails. A load
+that differs from the checkpoint stops the command at once, nothing saved.
 """
 
 from __future__ import annotations
@@ -191,12 +191,12 @@ def plot(data: dict, path: str) -> None:
         ax.bar(xs, [p["bytes"] / p["median"][name] / 1e9 for p in points], width, label=name)
     ax.set_xticks(range(len(points)), [_label(p) for p in points])
     ax.set(ylabel="GB/s (tensor bytes / median load s)",
-           title=f"cold loads in one world, the page cache emptied before each ({data['host']['cpu_cores_usable']} "
-                 f"cores, {data['date']}{'; partial, see the notes' if data.get('notes') else ''})")
+           title=("PARTIAL: see the notes\n" if data.get("notes") else "") + "cold loads in one world, the page "
+                 f"cache emptied before each\n({data['host']['cpu_cores_usable']} cores, {data['date']})")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def main() -> int:
@@ -222,14 +222,14 @@ def main() -> int:
     if args.worker:
         return worker(args)
     points, failures, notes = [], [], []  # notes: each point not measured, each measured after one
-    what = None
+    after_failure = None  # the point that failed just before this one
     with scratch_folders() as (args.snapshot, logs), tempfile.TemporaryDirectory(prefix="zload-bench-") as results:
         for size, nbytes, worlds in args.size or [parse_size_spec("300MB")]:
             config = llama_config(nbytes)
             folder = checkpoint_dir(args.cache, config, args.shard_size)
             ensure_checkpoint(folder, config, args.shard_size)
             for world in worlds or args.world:
-                previous, what = what, f"{size} at world {world}"
+                what = f"{size} at world {world}"
                 result = os.path.join(results, f"{size}-{world}.json")
                 log(f"{what}: building, then {args.rounds} cold rounds of {', '.join(args.methods)}")
                 try:
@@ -240,7 +240,9 @@ def main() -> int:
                 except RuntimeError as e:  # a point takes minutes: the others still run, and are saved
                     log(str(e))
                     failures.append(what)
-                    notes.append(f"{what}: not measured: {str(e).splitlines()[0].rstrip(':')}")
+                    reason = str(e).splitlines()[0].removeprefix(f"the cold rounds of {what} ").rstrip(":")
+                    notes.append(f"{what}: not measured, its world {reason}")
+                    after_failure = what
                     continue
                 with open(result) as f:
                     got = json.load(f)
@@ -249,8 +251,10 @@ def main() -> int:
                 if failed:
                     shutil.copy(result, logs)  # every rank's checks, kept with the logs
                     raise RuntimeError(f"{what}: a load differs from the checkpoint: {failed}")
-                if failures and failures[-1] == previous:
-                    notes.append(f"{what}: measured right after the failed world of {previous}")
+                if after_failure:
+                    notes.append(f"{what}: measured right after the failed world of {after_failure} (its numbers "
+                                 "may carry what that failure left behind)")
+                    after_failure = None
                 points.append({"size": size, "bytes": checkpoint_bytes(folder), "world": world, "checkpoint": folder,
                                **got, "median": {name: statistics.median(s) for name, s in got["seconds"].items()}})
         if not points:
@@ -258,13 +262,15 @@ def main() -> int:
         command = "python -m benchmarks.cold_one_world " + shlex.join(sys.argv[1:])
         name = f"cold-one-world-{args.name}" + ("-partial" if failures else "")  # never in place of a whole run
         data = save_results(args.out, name, command, points, markdown, notes)
+        if not failures and os.path.exists(os.path.join(args.out, f"{name}-partial.json")):
+            log(f"{os.path.join(args.out, name)}-partial.* are left over from an earlier run that was not whole")
         try:
             plot(data, os.path.join(args.out, f"{name}.png"))
         except ImportError:
             log("no matplotlib here, so no plot (pip install -e '.[bench]')")
         if failures:  # raised here, so the worlds' logs are kept
             raise RuntimeError(f"{len(failures)} of {len(failures) + len(points)} points not measured, the others "
-                               f"saved as {name}: " + "; ".join(failures))
+                               f"saved as {os.path.join(args.out, name)}.*: " + "; ".join(failures))
     return 0
 
 

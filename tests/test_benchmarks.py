@@ -426,12 +426,10 @@ def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache,
     assert (tmp_path / "cold-one-world-t.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("failing", [{2}, {1, 2, 3}])
-def test_one_world_benchmark_keeps_the_points_measured_beside_a_failed_one(cache, tmp_path, monkeypatch, failing):
-    """A point's world that fails (its launch raises, as on a crash or timeout) is named in the
-    results and the command fails, but the points before and after it are still measured and saved,
-    apart from a whole run's files, and the worlds' logs are kept; with no point measured nothing is
-    saved. Nothing is launched: each world writes a made-up result."""
+def _one_world_run(cache, tmp_path, monkeypatch, failing=(), wrong=()) -> tuple[str, Path]:
+    """``benchmarks.cold_one_world`` at 20 MB, worlds 1, 2 and 3, launching nothing: a world in
+    ``failing`` raises as a failed launch does, the others write a made-up result (whose checks
+    fail in a world in ``wrong``). Returns the error main raised and the folder of logs it kept."""
     from benchmarks import cold_one_world
 
     methods = list(cold_one_world.METHODS)
@@ -440,9 +438,9 @@ def test_one_world_benchmark_keeps_the_points_measured_beside_a_failed_one(cache
         Path(log_path).write_text(f"the log of {what}")
         if world in failing:
             raise RuntimeError(f"{what} failed (1); log {log_path}:\nits last lines")
+        checks = [{m: {"ok": world not in wrong} for m in methods[:3]}] * world
         result = {"seconds": {m: [0.5, 0.25] for m in methods}, "residency": [0.0] * 2 * len(methods),
-                  "order": [methods, methods[::-1]], "checks": [{m: {"ok": True} for m in methods[:3]}] * world,
-                  "threads": 1, "device": "cpu"}
+                  "order": [methods, methods[::-1]], "checks": checks, "threads": 1, "device": "cpu"}
         Path(worker_args[worker_args.index("--result") + 1]).write_text(json.dumps(result))
 
     monkeypatch.setattr(cold_one_world, "launch_local", launch)
@@ -450,24 +448,50 @@ def test_one_world_benchmark_keeps_the_points_measured_beside_a_failed_one(cache
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(sys, "argv", ["cold_one_world", "--size", SIZE, "--world", "1", "2", "3", "--cache",
                                       str(cache), "--out", str(tmp_path / "out"), "--name", "t"])
-    expected = "no point was measured, nothing saved" if len(failing) == 3 else "1 of 3 points not measured"
-    with pytest.raises(RuntimeError, match=expected):
+    with pytest.raises(RuntimeError) as raised:
         cold_one_world.main()
     (logs,) = (tmp_path / "tmp").glob("zload-bench-*")  # the snapshot of zload's sources goes, the logs stay
     assert logs.name.startswith("zload-bench-logs-")
+    return str(raised.value), logs
+
+
+@pytest.mark.parametrize("failing", [{2}, {1}, {1, 3}, {1, 2, 3}])
+def test_one_world_benchmark_keeps_the_points_measured_beside_a_failed_one(cache, tmp_path, monkeypatch, failing):
+    """A point's world that fails (a crash, a timeout) is named in the results and the command
+    fails, but the points before and after it are still measured and saved, apart from a whole
+    run's files, with a note on each point measured right after a failure; with no point measured
+    nothing is saved. The worlds' logs are kept."""
+    error, logs = _one_world_run(cache, tmp_path, monkeypatch, failing=failing)
     assert sorted(f.name for f in logs.iterdir()) == [f"{SIZE}-{w}.log" for w in (1, 2, 3)]
     if len(failing) == 3:
+        assert error.startswith("no point was measured, nothing saved")
         assert not (tmp_path / "out").exists()
         return
+    assert error.startswith(f"{len(failing)} of 3 points not measured, the others saved as "
+                            f"{tmp_path / 'out' / 'cold-one-world-t-partial'}.*")
     assert sorted(f.name for f in (tmp_path / "out").iterdir()) == [f"cold-one-world-t-partial.{e}" for e in
                                                                     ("json", "md", "png")]
     data = json.loads((tmp_path / "out" / "cold-one-world-t-partial.json").read_text())
-    assert [p["world"] for p in data["results"]] == [1, 3]
-    assert data["notes"] == [f"{SIZE} at world 2: not measured: the cold rounds of {SIZE} at world 2 failed (1); "
-                             f"log {logs / f'{SIZE}-2.log'}",
-                             f"{SIZE} at world 3: measured right after the failed world of {SIZE} at world 2"]
+    assert [p["world"] for p in data["results"]] == sorted({1, 2, 3} - failing)
+    expected = []
+    for w in (1, 2, 3):
+        if w in failing:
+            expected.append(f"{SIZE} at world {w}: not measured, its world failed (1); log {logs / f'{SIZE}-{w}.log'}")
+        elif w - 1 in failing:
+            expected.append(f"{SIZE} at world {w}: measured right after the failed world of {SIZE} at world {w - 1} "
+                            "(its numbers may carry what that failure left behind)")
+    assert data["notes"] == expected
     table = (tmp_path / "out" / "cold-one-world-t-partial.md").read_text()
-    assert all(f"Note: {note}" in table.split("| method |")[0] for note in data["notes"])  # above the tables
+    assert all(f"Note: {note}" in table.split("| method |")[0] for note in expected)  # above the tables
+
+
+def test_one_world_benchmark_stops_at_a_load_that_differs_from_the_checkpoint(cache, tmp_path, monkeypatch):
+    """Nothing is saved, not even the points measured before it; the ranks' checks stay with the logs."""
+    error, logs = _one_world_run(cache, tmp_path, monkeypatch, wrong={2})
+    assert error.startswith(f"{SIZE} at world 2: a load differs from the checkpoint")
+    assert not (tmp_path / "out").exists()
+    assert sorted(f.name for f in logs.iterdir()) == [f"{SIZE}-1.log", f"{SIZE}-2.json", f"{SIZE}-2.log"]
+    assert not json.loads((logs / f"{SIZE}-2.json").read_text())["checks"][0]["zload"]["ok"]
 
 
 @pytest.mark.parametrize("ending", ["timeout", "interrupt"])
