@@ -243,6 +243,41 @@ def pread_exactly(opened: OpenFile, nbytes: int, offset: int) -> bytes:
     return data
 
 
+MAX_JSON_DEPTH = 64  # configs and indexes nest a few levels; a deeper document is hostile
+
+
+def _nesting_checked(value, what: str):
+    """``value`` (parsed JSON), refused if it nests deeper than ``MAX_JSON_DEPTH``: code that walks
+    it later (a copy, a comparison, a message) must never recurse without bound."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        if children and depth > MAX_JSON_DEPTH:
+            raise ValueError(f"{what} nests more than {MAX_JSON_DEPTH} levels deep")
+        pending.extend((child, depth + 1) for child in children)
+    return value
+
+
+def read_json_file(path: str) -> object:
+    """The JSON document in the small file ``path`` (a config, an index of our own), opened as a
+    checkpoint file is (regular files only, never blocking), its size and nesting bounded; an
+    ``InvalidCheckpointError`` naming the file otherwise."""
+    with FileTable() as table:
+        opened = table.add(open_regular(path), path)
+        if opened.identity.size > MAX_INDEX_BYTES:
+            raise InvalidCheckpointError(f"{path}: {opened.identity.size} bytes, over the {MAX_INDEX_BYTES}-byte "
+                                         "limit zload sets for a JSON file", path=path)
+        data = pread_exactly(opened, opened.identity.size, 0)
+    try:
+        try:
+            return _nesting_checked(json.loads(data.decode("utf-8")), "the document")
+        except RecursionError:
+            raise ValueError(f"the document nests more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as e:  # UnicodeDecodeError and json.JSONDecodeError are ValueErrors
+        raise InvalidCheckpointError(f"{path}: not JSON zload reads: {str(e)[:300]}", path=path) from e
+
+
 def parse_header(opened: OpenFile, key: str) -> dict[str, TensorEntry]:
     """Parse and validate the header of an opened safetensors file (the checkpoint's file ``key``);
     returns its tensors by name and records the header's digest, data start and metadata in
