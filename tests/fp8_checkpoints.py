@@ -5,6 +5,7 @@ dequantisation every zload load is compared with bit for bit."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -79,3 +80,22 @@ def write_reference(source: Path, folder: Path, reference: dict[str, torch.Tenso
     folder.mkdir(parents=True, exist_ok=True)
     save_file(reference, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text((source / "config.json").read_text())
+
+
+def _json(value):
+    return lambda path: path.write_text(json.dumps(value))
+
+
+# config.json files zload cannot read a block size from: kind -> (make one at a path, what the
+# problem says). Each refuses an FP8 load, and none matters to a checkpoint without FP8 weights.
+BAD_CONFIGS = {
+    "nested 200,000 deep": (lambda path: path.write_text("[" * 200_000 + "]" * 200_000),
+                            "not JSON zload reads: the document nests more than 64 levels deep"),
+    "not JSON": (lambda path: path.write_text('{"quantization_config": '), "not JSON zload reads"),
+    "a directory": (lambda path: path.mkdir(), "is a directory, not a regular file"),
+    "a FIFO": (os.mkfifo, "is a FIFO, not a regular file"),
+    "a dangling link": (lambda path: path.symlink_to(path.with_name("nowhere.json")), "cannot read"),
+    "a JSON list": (_json([1, 2]), "holds [1, 2], not a JSON object"),
+    "quantization_config a string": (_json({"quantization_config": "fp8"}),
+                                     "quantization_config 'fp8' is not a JSON object"),
+}

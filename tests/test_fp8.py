@@ -18,7 +18,7 @@ from zload.plan import make_plan
 from zload.quantized import Quantization, read_quantization
 from zload.targets import FULL, PARTITION, Partition, Target
 
-from .fp8_checkpoints import dequantize, quantize
+from .fp8_checkpoints import BAD_CONFIGS, dequantize, quantize
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in the Triton interpreter: NaN, inf
@@ -107,11 +107,32 @@ def test_per_tensor_scale_and_stacked_weights():
     ([WEIGHT, SCALE], Quantization("gptq", problem="config.json: quant_method 'gptq' is not supported"),
      "'gptq' is not supported"),
     ([WEIGHT, SCALE], Quantization("fp8"), "blocks of [128, 128] needs [1, 1]"),
+    # both names, neither a single element beside the other: either could be the scale
+    ([WEIGHT, SCALE, ("w_scale", "F32", (3, 2), 4)], Quantization("fp8", (5, 7)),
+     "both 'w_scale_inv' (f.safetensors, shape [3, 2]) and 'w_scale' (f.safetensors, shape [3, 2]) are stored, "
+     "and either could be its scale: with both, zload takes 'w_scale_inv' and expects 'w_scale' to be a single "
+     "element; keep only the tensor that scales this weight"),
+    ([WEIGHT, ("w_scale_inv", "F32", (), 4), ("w_scale", "F32", (3, 2), 4)], Quantization("fp8"),
+     "both 'w_scale_inv' (f.safetensors, shape []) and 'w_scale' (f.safetensors, shape [3, 2]) are stored"),
 ])
 def test_bad_scales_are_problems_naming_tensor_and_file(entries, quantization, message):
     plan = _plan(_index(*entries), [_target("w", (13, 11), 2, 0)], quantization)
     first = plan.problems[0]
     assert message in first and "'w'" in first and "f.safetensors" in first, plan.problems
+
+
+@pytest.mark.parametrize("entries,quantization,scale", [
+    ([WEIGHT, SCALE, ("w_scale", "F32", (), 4)], Quantization("fp8", (5, 7)), "w_scale_inv"),
+    ([WEIGHT, SCALE, ("w_scale", "BF16", (1, 1), 2)], Quantization("fp8", (5, 7)), "w_scale_inv"),
+    ([WEIGHT, ("w_scale_inv", "BF16", (), 2), ("w_scale", "F32", (), 4)], Quantization("fp8"), "w_scale_inv"),
+])
+def test_with_both_scale_names_the_inverse_scale_wins(entries, quantization, scale):
+    """With both names stored, ``_scale_inv`` is the scale, and a one-element ``_scale`` beside it
+    is consumed (neither unexpected nor read)."""
+    plan = _plan(_index(*entries), [_target("w", (13, 11), 2, 1)], quantization)
+    (item,) = plan.items
+    assert plan.problems == [] and plan.unexpected == [] and plan.missing == []
+    assert item.scale.entry.name == scale
 
 
 def test_quantization_config_is_read_from_the_folder(tmp_path):
@@ -122,6 +143,57 @@ def test_quantization_config_is_read_from_the_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
     problem = read_quantization(str(tmp_path)).problem
     assert "config.json" in problem and "'awq' is not supported" in problem
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_CONFIGS))
+def test_every_config_problem_names_config_json_and_no_path(tmp_path, kind):
+    """Never raised (a load without FP8 weights must not fail for it); named as the checkpoint
+    names its files, so that ranks with copies in different folders read the same problem."""
+    make, says = BAD_CONFIGS[kind]
+    make(tmp_path / "config.json")
+    problem = read_quantization(str(tmp_path)).problem
+    assert problem.startswith("config.json: ") and says in problem and str(tmp_path) not in problem, problem
+    assert "fix config.json" in problem
+
+
+def test_ranks_that_read_different_configs_agree_on_a_problem():
+    from zload.quantized import agreed_quantization
+
+    a, b = Quantization("fp8", (128, 128)), Quantization("fp8", (100, 100))
+    assert agreed_quantization({0: a, 2: a}) == a and agreed_quantization({}) == Quantization()
+    assert agreed_quantization({3: b, 0: a, 2: a, 1: Quantization()}).problem == (
+        "config.json: the copies differ between ranks: ranks [0, 2] read quant_method 'fp8', weight_block_size "
+        "[128, 128]; ranks [1] read no quantization_config (or no config.json); ranks [3] read quant_method "
+        "'fp8', weight_block_size [100, 100]; every node must hold the same config.json")
+
+
+def test_a_views_fingerprint_covers_its_quantization_config(tmp_path):
+    """Ranks compare fingerprints to skip exchanging views: copies whose quantization configs
+    differ must not compare equal; copies that differ elsewhere in config.json, or lie elsewhere,
+    must."""
+    from zload.checkpoint import local_view
+
+    def config(name, block):
+        return {"_name_or_path": name, "quantization_config": {"quant_method": "fp8", "weight_block_size": block}}
+
+    configs = {"a": config("a", [128, 128]), "b": config("b", [128, 128]), "c": config("a", [100, 100]),
+               "d": None, "e": None}  # d, e: nested too deep
+    for name, content in configs.items():
+        (tmp_path / name).mkdir()
+        save_file({"w": torch.zeros(3)}, str(tmp_path / name / "model.safetensors"))
+        if content is None:
+            BAD_CONFIGS["nested 200,000 deep"][0](tmp_path / name / "config.json")
+        else:
+            (tmp_path / name / "config.json").write_text(json.dumps(content))
+    views = {name: local_view(str(tmp_path / name)) for name in configs}
+    try:
+        assert views["a"].quantization == Quantization("fp8", (128, 128))
+        assert views["a"].fingerprint == views["b"].fingerprint != views["c"].fingerprint
+        assert views["d"].quantization.problem and views["d"].fingerprint == views["e"].fingerprint
+        assert views["d"].fingerprint != views["a"].fingerprint
+    finally:
+        for view in views.values():
+            view.close()
 
 
 def _fp8_file(tmp_path, fp8_dtype, block):

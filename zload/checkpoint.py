@@ -28,6 +28,7 @@ from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry, index_
 from .native import LATEST, native_folder, open_native
 from .pagecache import forget
 from .plan import LoadPlan
+from .quantized import Quantization, agreed_quantization, read_quantization
 
 
 def _start_file(path: str) -> str | None:
@@ -130,6 +131,7 @@ class SharedIndex:
     index: CheckpointIndex
     readers: dict[str, list[int]] = field(default_factory=dict)  # keys of files some rank lacks -> holders
     remote_files: frozenset[str] = frozenset()  # the keys of the files this rank lacks
+    quantization: Quantization = Quantization()  # its config.json's, as the ranks agreed
 
     @property
     def sharing(self) -> bool:
@@ -163,6 +165,8 @@ class LocalView:
     problems: list[Problem] = field(default_factory=list)
     # (fd, offset, length): the sampled windows of files that looked uncached (this rank hinted them)
     sampled_cold: list[tuple[int, int, int]] = field(default_factory=list)
+    # what its config.json says FP8 weights dequantise with: values depend on it as on the headers
+    quantization: Quantization = Quantization()
 
     @property
     def whole(self) -> bool:
@@ -172,9 +176,9 @@ class LocalView:
     @property
     def fingerprint(self) -> int:
         """Equal on two ranks (but for a 2**-62 chance) exactly when they see the same files with
-        the same headers and data digests; non-negative and below 2**62, so that it and its
-        negation fit in int64."""
-        view = repr((sorted(self.digests.items()), self.known, self.index is not None)).encode()
+        the same headers and data digests, and the same quantization config; non-negative and below
+        2**62, so that it and its negation fit in int64."""
+        view = repr((sorted(self.digests.items()), self.known, self.index is not None, self.quantization)).encode()
         return int.from_bytes(hashlib.sha1(view).digest()[:8], "little") >> 2
 
     def opened(self) -> dict[str, OpenFile]:
@@ -192,7 +196,7 @@ class LocalView:
 
     def shared(self) -> SharedIndex:
         """This view as the whole checkpoint, for when every rank has seen the same whole one."""
-        return SharedIndex(self.index)
+        return SharedIndex(self.index, quantization=self.quantization)
 
     def close(self) -> None:
         if self.index is not None:
@@ -200,8 +204,9 @@ class LocalView:
 
 
 def local_view(source: str, verify: str = "sample") -> LocalView:
-    """Index ``source`` as this rank sees it. Shards it lacks are noted; bad headers, and any other
-    exception, become ``problems`` (never raised: every rank must reach the agreement step).
+    """Index ``source`` as this rank sees it, and read its quantization config. Shards it lacks are
+    noted; bad headers, and any other exception, become ``problems`` (never raised: every rank must
+    reach the agreement step).
 
     ``verify`` is ``load_into``'s: "sample" digests a sample of each file's data when there are
     other ranks to compare with; "full" leaves the data to ``verify_fully``.
@@ -209,7 +214,9 @@ def local_view(source: str, verify: str = "sample") -> LocalView:
     def index():
         if not os.path.lexists(source):
             return LocalView(source, None)
-        return viewed(source, open_checkpoint(source, missing_ok=True), verify)
+        view = viewed(source, open_checkpoint(source, missing_ok=True), verify)
+        view.quantization = read_quantization(view.index.root)  # never raises
+        return view
 
     view, problems = problems_of(f"indexing {source}", index)
     return view or LocalView(source, None, problems=problems)
@@ -283,7 +290,7 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
     rank, world = rank_and_world()
     source = view.source
     local = view.index
-    views = exchange((view.problems, view.digests, view.known, local is not None))
+    views = exchange((view.problems, view.digests, view.known, local is not None, view.quantization))
     raise_for([v[0] for v in views], what)
     if not any(v[3] for v in views):
         return None
@@ -305,9 +312,10 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
             raise InvalidCheckpointError(f"{key}: the copies of this file differ in their {differ} between "
                                          f"{groups}; every node must hold the same checkpoint",
                                          path=os.path.join(root, key))
+    quantization = agreed_quantization({r: v[4] for r, v in enumerate(views) if v[3]})
     lacking = [k for k in keys if len(readers[k]) < world]
     if not lacking:
-        return SharedIndex(local)
+        return SharedIndex(local, quantization=quantization)
 
     # Each file some rank lacks: its first reader sends that file's entries, whole (a DeepSpeed
     # checkpoint's tensors are fragments of several files, listed under the first).
@@ -323,13 +331,14 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
                             opened=local.opened if local else FileTable(),
                             root=root)
     remote = frozenset(k for k in lacking if rank not in readers[k])
-    return SharedIndex(index, {k: readers[k] for k in lacking}, remote)
+    return SharedIndex(index, {k: readers[k] for k in lacking}, remote, quantization)
 
 
-def _planned(plan_load, index: CheckpointIndex, remote_files: frozenset[str] = frozenset()
-             ) -> tuple[LoadPlan | None, list[Problem]]:
-    """``plan_load(index, remote_files)`` and its problems (an exception, or the plan's own)."""
-    plan, problems = problems_of("planning", lambda: plan_load(index, remote_files))
+def _planned(plan_load, shared: SharedIndex) -> tuple[LoadPlan | None, list[Problem]]:
+    """``plan_load(index, remote_files, quantization)`` of ``shared``, and its problems (an
+    exception, or the plan's own)."""
+    plan, problems = problems_of("planning", lambda: plan_load(shared.index, shared.remote_files,
+                                                              shared.quantization))
     return plan, (problems if plan is None else [Problem(PlanError, p) for p in plan.problems])
 
 
@@ -342,16 +351,17 @@ def open_agreed(path: str, revision: str | None, verify: str,
     """Index the checkpoint and plan the load on every rank; raise on all if any rank cannot.
 
     Usually every rank sees the same whole checkpoint: each plans against its own view, and one
-    all-reduce settles both that the views are the same (headers, and a sample of the data) and
-    that no plan has a problem. Otherwise (node-local shards, copies that differ, a Hub repo id,
-    a bad header) the ranks exchange their views, and then plan and agree on the plans. The
+    all-reduce settles both that the views are the same (headers, a sample of the data, and the
+    quantization config) and that no plan has a problem. Otherwise (node-local shards, copies that
+    differ, a Hub repo id, a bad header) the ranks exchange their views, and then plan and agree on
+    the plans. ``plan_load(index, remote_files, quantization)`` plans one rank's load. The
     returned index's files stay open; the caller closes them.
     """
     view = local_view(path, verify)
     try:
         if verify == "full":
             verify_fully(view)
-        plan, problems = _planned(plan_load, view.index) if view.whole else (None, [])
+        plan, problems = _planned(plan_load, view.shared()) if view.whole else (None, [])
         fingerprint = view.fingerprint
         high, negated_low, partial, troubled = reduce_max(
             [fingerprint, -fingerprint, int(not view.whole), len(problems)])
@@ -373,7 +383,7 @@ def open_agreed(path: str, revision: str | None, verify: str,
             view.forget_sampled()
         else:
             _no_revision(path, revision)
-        plan, problems = _planned(plan_load, shared.index, shared.remote_files)
+        plan, problems = _planned(plan_load, shared)
         agree(problems, _refused(source))
         return source, shared, plan
     except BaseException:

@@ -26,7 +26,7 @@ from .kernels import scatter_cast, zero_segment
 from .names import KeyMap, match
 from .plan import LoadPlan, make_plan
 from .progress import progress_for
-from .quantized import FP8, read_quantization
+from .quantized import FP8, Quantization
 from .report import LoadReport, shortened
 from .sharing import fetch_remote
 from .targets import (
@@ -154,12 +154,12 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     if verify not in VERIFY:
         raise ArgumentValueError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY))}")
 
-    def plan_load(index: CheckpointIndex, remote_files: frozenset[str]) -> LoadPlan:
+    def plan_load(index: CheckpointIndex, remote_files: frozenset[str], quantization: Quantization) -> LoadPlan:
         targets = collect_targets(module, engine is not None)
-        matching = match(index, targets, module, key_map, read_quantization(index.root))
+        matching = match(index, targets, module, key_map, quantization)
         plan = make_plan(index, targets, strict=strict, matching=matching)
         lacked = sorted(n for n, e in index.tensors.items() if e.dtype in FP8 and set(e.files) & remote_files)
-        if lacked:  # first: this rank's other problems with them follow from its lacking config.json
+        if lacked:  # first: it is why they are refused, whatever else this rank finds
             plan.problems.insert(0, f"FP8 weights in files this rank lacks cannot be sent to it yet: "
                                     f"{shortened(lacked, 5)}; put the checkpoint where every node sees it")
         left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
