@@ -98,4 +98,6 @@ BAD_CONFIGS = {
     "a JSON list": (_json([1, 2]), "holds [1, 2], not a JSON object"),
     "quantization_config a string": (_json({"quantization_config": "fp8"}),
                                      "quantization_config 'fp8' is not a JSON object"),
+    "a block of 2**70": (_json({"quantization_config": {"quant_method": "fp8", "weight_block_size": [1, 2**70]}}),
+                         "weight_block_size [1, 1180591620717411303424] is not two positive integers below 2**63"),
 }

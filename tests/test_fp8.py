@@ -232,6 +232,45 @@ def test_partitioned_reads_dequantise_bit_exact(tmp_path, fp8_dtype, dst_dtype, 
                                        expected.reshape(-1).view(torch.uint8)), (t.name, world, rank)
 
 
+def test_staging_too_small_for_one_element_and_its_scales_is_a_problem(tmp_path):
+    """Said while planning, with the size that works; it works (it was an IndexError mid-read)."""
+    from zload.plan import staging_problems
+
+    reference = _fp8_file(tmp_path, torch.float8_e4m3fn, (5, 7))  # 'w' has 5 scales a row, 'e' 2
+    with open_checkpoint(str(tmp_path / "model.safetensors")) as index:
+        targets = [_target(n, tuple(r.shape), 2, 1, "float32") for n, r in reference.items()]
+        plan = _plan(index, targets, Quantization("fp8", (5, 7)))
+        (problem,) = staging_problems(plan, 64)
+        assert problem == ("staging_bytes=64 is too small for the FP8 weights 'e', 'w': one element with its "
+                           "row of scales takes up to 84 staging bytes, and reads are staged in halves of "
+                           "staging_bytes less 64; pass staging_bytes=296 or more")
+        assert staging_problems(plan, 295) and staging_problems(plan, 296) == []
+        dests = [torch.full((t.partition.size,), 7.0) for t in targets]
+        execute(index.opened, plan.items, dests, staging_bytes=296)
+        for t, dest in zip(targets, dests):
+            low, high = t.partition.owned
+            assert torch.equal(dest[:high - low], reference[t.name].reshape(-1)[low:high]), t.name
+
+
+def test_a_block_larger_than_the_weight_scales_like_one_of_its_size(tmp_path):
+    """weight_block_size [1, 2**62]: one scale a row. Pieces that start or end inside a row widen
+    their rows' scales, which took 2**62 elements a row (an overflow mid-read) before the block was
+    cut to the weight."""
+    torch.manual_seed(0)
+    weight, scale = quantize(torch.randn(37, 29), (1, 29))
+    save_file({"w": weight, "w_scale_inv": scale}, str(tmp_path / "model.safetensors"))
+    reference = dequantize(weight, scale, (1, 29)).reshape(-1)
+    with open_checkpoint(str(tmp_path / "model.safetensors")) as index:
+        for rank in range(3):
+            target = _target("w", (37, 29), 3, rank, "float32")
+            plan = _plan(index, [target], Quantization("fp8", (1, 2**62)))
+            assert plan.problems == []
+            dest = torch.full((target.partition.size,), 7.0)
+            execute(index.opened, plan.items, [dest], staging_bytes=400)
+            low, high = target.partition.owned
+            assert torch.equal(dest[:high - low], reference[low:high]), rank
+
+
 def _fp8_segments(fp8_dtype, scale_dtype, block, g):
     """A staging buffer holding a (2, 37, 29) FP8 weight of random bits (NaNs, subnormals and, for
     e5m2, infs included) and its scales, and segments that cut it at awkward places (mid block

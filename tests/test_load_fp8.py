@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -258,3 +259,34 @@ def test_a_bad_config_refuses_fp8_weights_and_nothing_else(saved, tmp_path):
             assert "(model.safetensors): config.json: " in error and says in error, (kind, error)
             assert "the model was not changed" in error, (kind, error)
             assert compared > 10 and missing == [] and unexpected == [], kind
+
+
+def _load_with_little_staging(folder, reference):
+    error = _load_expecting_refusal(folder, "llama", staging_bytes=64)
+    enough = max(int(n) for n in re.findall(r"pass staging_bytes=(\d+) or more", error))
+    return error, _compare_load("llama", folder, reference, "bfloat16", staging_bytes=enough)
+
+
+def test_too_little_staging_for_fp8_is_refused_before_anything_is_written(saved):
+    """It was an IndexError part-way through the reads; now a plan problem that says what is
+    enough, and what it says is enough is."""
+    folder = saved["llama", "block"]
+    for error, (compared, missing, unexpected, _, _) in run_world(
+            2, _load_with_little_staging, folder / "block", folder / "block-reference"):
+        assert "staging_bytes=64 is too small for the FP8 weights 'model.layers.0" in error, error
+        assert "the model was not changed" in error, error
+        assert compared > 10 and missing == [] and unexpected == []
+
+
+def test_a_block_size_beyond_the_weights_loads(saved, tmp_path):
+    """weight_block_size [1, 2**62]: one scale a row, as [1, 64] is for these weights (a raw
+    overflow part-way through the reads before)."""
+    bf16 = saved["llama", "block"] / "bf16"
+    reference = write_fp8(bf16, tmp_path / "rows", (1, 64))
+    write_reference(bf16, tmp_path / "rows-reference", reference)
+    config = json.loads((tmp_path / "rows" / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [1, 2**62]
+    (tmp_path / "rows" / "config.json").write_text(json.dumps(config))
+    for compared, missing, unexpected, slow_path, _ in run_world(2, _load_and_compare, "llama", tmp_path, "rows",
+                                                                 "float32"):
+        assert compared > 10 and missing == [] and unexpected == [] and slow_path == []

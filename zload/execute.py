@@ -231,7 +231,7 @@ class _Reader:
         scale = part.scale
         dtype = getattr(torch, DTYPES[scale.entry.dtype][0])
         return Dequant(at, dtype, nbytes // dtype.itemsize, part.first_element, part.scale_rows[0],
-                       scale.rows, scale.columns, scale.block, scale.grid)
+                       scale.rows, scale.columns, scale.kernel_block, scale.grid)
 
     def flush(self) -> None:
         """Start reading the batch queued so far; copy out the batch read before it."""

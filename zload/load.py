@@ -24,7 +24,7 @@ from .index import CheckpointIndex
 from .building import is_unloaded, mark_loaded
 from .kernels import scatter_cast, zero_segment
 from .names import KeyMap, match
-from .plan import LoadPlan, make_plan
+from .plan import LoadPlan, make_plan, staging_problems
 from .progress import progress_for
 from .quantized import FP8, Quantization
 from .report import LoadReport, shortened
@@ -158,6 +158,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
         targets = collect_targets(module, engine is not None)
         matching = match(index, targets, module, key_map, quantization)
         plan = make_plan(index, targets, strict=strict, matching=matching)
+        plan.problems += staging_problems(plan, staging_bytes)
         lacked = sorted(n for n, e in index.tensors.items() if e.dtype in FP8 and set(e.files) & remote_files)
         if lacked:  # first: it is why they are refused, whatever else this rank finds
             plan.problems.insert(0, f"FP8 weights in files this rank lacks cannot be sent to it yet: "

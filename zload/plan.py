@@ -61,6 +61,11 @@ class ReadItem:
         """Staging bytes it takes: its own, then (aligned) its scale rows."""
         return align(self.nbytes) + self.scale_span[2] if self.scale else self.nbytes
 
+    @property
+    def least_staged(self) -> int:
+        """Staging bytes its smallest piece takes: one element (and its row of scales)."""
+        return self._part(0, 1, self.nbytes // self.numel).staged_nbytes
+
     def _part(self, first: int, count: int, itemsize: int) -> ReadItem:
         return ReadItem(self.file, self.offset + first * itemsize, count * itemsize, self.src_dtype,
                         self.target, self.dst_offset + first, count, self.scale, self.first_element + first)
@@ -142,6 +147,24 @@ def staging_batches(items: list, capacity: int) -> list[list[tuple[int, object]]
                 batches.append([])
             batches[-1].append((start, part))
     return batches
+
+
+def staging_problems(plan: LoadPlan, staging_bytes: int) -> list[str]:
+    """A problem if one element of an FP8 weight, staged with its row of scales, would not fit in
+    a piece of the staging (``execute`` stages batches of half ``staging_bytes``, in pieces of at
+    most that less ``ALIGN``): said while planning, not found part-way through the reads."""
+    room = max(ALIGN, staging_bytes // 2) - ALIGN
+    need: dict[str, int] = {}
+    for item in plan.items:
+        if item.scale is not None and item.least_staged > room:
+            name = plan.targets[item.target].name
+            need[name] = max(need.get(name, 0), item.least_staged)
+    if not need:
+        return []
+    most, names = max(need.values()), [f"'{n}'" for n in sorted(need)]
+    return [f"staging_bytes={staging_bytes} is too small for the FP8 weights {shortened(names, 5)}: one element "
+            f"with its row of scales takes up to {most} staging bytes, and reads are staged in halves of "
+            f"staging_bytes less {ALIGN}; pass staging_bytes={2 * (most + ALIGN)} or more"]
 
 
 def _compatibility_problem(target: Target, source: Source) -> str | None:

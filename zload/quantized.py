@@ -32,6 +32,7 @@ from .index import CheckpointIndex, TensorEntry, brief, read_json_file
 
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # appended to the weight's name
 DEFAULT_BLOCK = (128, 128)
+MAX_BLOCK = 2**63 - 1  # torch's sizes are 64-bit
 FP8 = {"F8_E4M3", "F8_E5M2"}
 _SCALE_DTYPES = {"F32", "BF16", "F16"}
 CONFIG_FILE = "config.json"
@@ -88,6 +89,13 @@ class Scale:
         return self.columns == 1 and self.block == (self.rows, 1)
 
     @property
+    def kernel_block(self) -> tuple[int, int]:
+        """The block cut to the matrix, which gives each element the scale the block does: whatever
+        block a config gives, the kernels' 64-bit arithmetic and the widening of a row's scales
+        stay within the weight."""
+        return min(self.block[0], self.rows), min(self.block[1], self.columns)
+
+    @property
     def grid(self) -> tuple[int, int]:
         """(scale rows, scale columns) of one matrix."""
         return -(-self.rows // self.block[0]), -(-self.columns // self.block[1])
@@ -134,9 +142,9 @@ def read_quantization(root: str) -> Quantization:
     if block is None:
         return Quantization(method)
     if (not isinstance(block, list) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_BLOCK for b in block)):
         return Quantization(method, problem=f"{CONFIG_FILE}: quantization_config weight_block_size "
-                                            f"{brief(block, 100)} is not two positive integers; "
+                                            f"{brief(block, 100)} is not two positive integers below 2**63; "
                                             f"{_FIX_CONFIG}")
     return Quantization(method, (block[0], block[1]))
 
