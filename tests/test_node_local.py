@@ -216,3 +216,61 @@ def test_shards_with_one_name_in_two_subfolders(tmp_path):
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     reports = run_world(2, _load_on_node, nodes, reference, 256)
     assert reports[1].bytes_read == 0 and reports[1].bytes_received > 0
+
+
+def _load_on_node_refused(node_dirs):
+    """As ``_load_on_node``, but the load must be refused: the error, and whether the model stayed."""
+    model = build_zero(models.Awkward)
+    before = {n: p.ds_tensor.clone() for n, p in model.named_parameters()}
+    cwd = os.getcwd()
+    try:
+        os.chdir(node_dirs[dist.get_rank()])
+        zload.load_into(model, "ckpt", staging_bytes=256)
+    except zload.ZloadError as e:
+        unchanged = all(torch.equal(before[n], p.ds_tensor) for n, p in model.named_parameters())
+        return type(e).__name__, str(e), unchanged
+    finally:
+        os.chdir(cwd)
+    return None
+
+
+def _file_of_its_own_name(folder, node):
+    """Node 0 holds a.safetensors, node 1 b.safetensors (other values): no index on either."""
+    save_file(models.state_with_seed(models.Awkward, seed=36 + node), str(folder / "ab"[node]) + ".safetensors")
+
+
+def _one_shard_of_two(folder, node):
+    """An index over a.safetensors and b.safetensors on each node, each node holding only one of
+    them, which holds 'cube' in that node's index (with other values)."""
+    state = models.state_with_seed(models.Awkward, seed=36 + node)
+    names = sorted(n for n in state if n != "cube")
+    weight_map = {n: "ab"[i % 2] + ".safetensors" for i, n in enumerate(names)}
+    weight_map["cube"] = mine = "ab"[node] + ".safetensors"
+    save_file({n: state[n] for n, f in weight_map.items() if f == mine}, str(folder / mine))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _index_or_lone_shard(folder, node):
+    """Node 0 holds an index and its two shards, node 1 the first shard alone."""
+    save_sharded(models.state_with_seed(models.Awkward, seed=36), folder, shards=2)
+    if node:
+        (folder / "model.safetensors.index.json").unlink()
+        (folder / "model-00002-of-00002.safetensors").unlink()
+
+
+@pytest.mark.parametrize("make, says", [(_file_of_its_own_name, "see files"),
+                                        (_one_shard_of_two, "different weight maps"),
+                                        (_index_or_lone_shard, "see files")])
+def test_nodes_that_hold_different_checkpoints_are_refused(tmp_path, make, says):
+    """Each rank takes the tensors of a file it lacks from another rank's view: two nodes that
+    hold different files, or index the same files differently, would each load the other's values
+    (and one ZeRO-3 tensor from both). Refused on every rank, the model unchanged."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node, folder in enumerate(nodes):
+        (folder / "ckpt").mkdir(parents=True)
+        make(folder / "ckpt", node)
+    results = run_world(2, _load_on_node_refused, nodes)
+    assert all(r is not None for r in results), results
+    kinds, messages, unchanged = zip(*results)
+    assert set(kinds) == {"InvalidCheckpointError"} and len(set(messages)) == 1 and all(unchanged)
+    assert "ranks see different checkpoints" in messages[0] and says in messages[0]

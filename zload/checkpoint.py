@@ -28,6 +28,7 @@ from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry, index_
 from .native import LATEST, native_folder, open_native
 from .pagecache import forget
 from .plan import LoadPlan
+from .report import shortened
 from .quantized import Quantization, agreed_quantization, read_quantization
 
 
@@ -174,11 +175,16 @@ class LocalView:
         return self.index is not None and not self.index.absent and not self.problems
 
     @property
+    def layout(self) -> tuple[list[str], str]:
+        """The files the checkpoint is made of, and which holds each tensor (its weight map's digest)."""
+        return self.known, self.index.weight_map_sha256 if self.index is not None else ""
+
+    @property
     def fingerprint(self) -> int:
         """Equal on two ranks (but for a 2**-62 chance) exactly when they see the same files with
-        the same headers and data digests, and the same quantization config; non-negative and below
-        2**62, so that it and its negation fit in int64."""
-        view = repr((sorted(self.digests.items()), self.known, self.index is not None, self.quantization)).encode()
+        the same headers and data digests, the same weight map and the same quantization config;
+        non-negative and below 2**62, so that it and its negation fit in int64."""
+        view = repr((sorted(self.digests.items()), self.layout, self.index is not None, self.quantization)).encode()
         return int.from_bytes(hashlib.sha1(view).digest()[:8], "little") >> 2
 
     def opened(self) -> dict[str, OpenFile]:
@@ -279,6 +285,25 @@ def verify_fully(view: LocalView) -> None:
         view.digests[key] = (f.header_sha256, digest)
 
 
+def _same_layout(source: str, layouts: dict[int, tuple[list[str], str]]) -> None:
+    """Raise unless the ranks that have ``source`` (``layouts``, by rank) see it made of the same
+    files, with the same tensors in each: a rank lacking a file takes its tensors from another
+    rank's view, so views that differ would mix two checkpoints."""
+    ranks: dict[tuple, list[int]] = {}
+    for rank, (known, weight_map) in layouts.items():
+        ranks.setdefault((tuple(known), weight_map), []).append(rank)
+    if len(ranks) <= 1:
+        return
+    files = {known for known, _ in ranks}
+    if len(files) > 1:
+        seen = "; ".join(f"ranks {r} see files {shortened(list(known), 4)}" for (known, _), r in ranks.items())
+    else:
+        seen = "; ".join(f"ranks {r}" for r in ranks.values()) + ": the same files, but different weight maps"
+    raise InvalidCheckpointError(f"{source}: the ranks see different checkpoints there ({seen}); every node "
+                                 "must hold the same checkpoint (the same files and index, or none of it)",
+                                 path=source)
+
+
 def share_index(view: LocalView, what: str) -> SharedIndex | None:
     """Every rank's ``view`` made into the whole checkpoint on each rank, the files this rank lacks
     filled in from others; None when no rank has the path (then it may be a Hub repo id).
@@ -290,10 +315,11 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
     rank, world = rank_and_world()
     source = view.source
     local = view.index
-    views = exchange((view.problems, view.digests, view.known, local is not None, view.quantization))
+    views = exchange((view.problems, view.digests, view.known, local is not None, view.quantization, view.layout))
     raise_for([v[0] for v in views], what)
     if not any(v[3] for v in views):
         return None
+    _same_layout(source, {r: v[5] for r, v in enumerate(views) if v[3]})
 
     keys = sorted(set().union(*(set(v[2]) for v in views)))
     readers = {k: [r for r, v in enumerate(views) if k in v[1]] for k in keys}

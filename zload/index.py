@@ -118,6 +118,9 @@ class CheckpointIndex:
     absent: tuple[str, ...] = ()  # keys of the shards the index lists that this machine does not have
     opened: FileTable | None = field(default=None, compare=False, repr=False)
     root: str = ""
+    # SHA-256 of the index's weight map (which file holds each tensor; "" without an index): ranks
+    # that lack some shards take those shards' tensors from another rank's map, so the maps must agree
+    weight_map_sha256: str = ""
 
     def path(self, key: str) -> str:
         """Where the file ``key`` lies on this machine."""
@@ -412,5 +415,6 @@ def index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) -
             raise InvalidCheckpointError(f"{paths[shard]}: tensor {brief(name)} listed in {index_path} is not "
                                          f"in the shard", path=paths[shard], tensor=name)
     key = {shard: os.path.relpath(paths[shard], folder) for shard in shards}
+    mapped = hashlib.sha256(repr(sorted((name, key[shard]) for name, shard in weight_map.items())).encode())
     return CheckpointIndex(index_path, tuple(key[s] for s in shards), tensors,
-                           tuple(key[s] for s in sorted(absent)), table, folder)
+                           tuple(key[s] for s in sorted(absent)), table, folder, mapped.hexdigest())
