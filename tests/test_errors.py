@@ -19,7 +19,7 @@ from zload.distributed import Problem, problems_of, raise_for
 from . import models
 from .checkpoints import save_sharded
 from .harness import run_world
-from .zero3 import build_zero
+from .zero3 import DS_CONFIG, build_zero, refusal
 
 SHARD = "model-00001-of-00002.safetensors"
 
@@ -213,3 +213,26 @@ def test_a_problem_only_rank_0_meets_while_saving_names_the_path_on_every_rank(t
     target.write_bytes(b"someone's file")
     results = run_world(2, _save_into_a_file, str(target), timeout=120)
     assert results == [("ZloadError", str(target), None, (0,))] * 2
+
+
+def _from_pretrained_with_own_config(folder, configs):
+    """``zload.from_pretrained`` of ``folder`` with this rank's DeepSpeed config (a node-local file)."""
+    from transformers import LlamaForCausalLM
+
+    return refusal(lambda: zload.from_pretrained(LlamaForCausalLM, folder, configs[dist.get_rank()]))
+
+
+def test_a_ds_config_only_rank_1_cannot_read_is_the_same_error_on_every_rank(tmp_path):
+    pytest.importorskip("transformers")
+    from .test_from_pretrained import _save_llama
+
+    _save_llama(tmp_path / "llama")
+    readable, missing = tmp_path / "node0" / "ds.json", tmp_path / "node1" / "ds.json"
+    readable.parent.mkdir()
+    readable.write_text(json.dumps(DS_CONFIG))
+    results = run_world(2, _from_pretrained_with_own_config, str(tmp_path / "llama"), [str(readable), str(missing)],
+                        timeout=60)
+    for refused in results:
+        assert refused is not None and (refused.kind, refused.path, refused.ranks) == (
+            "ArgumentValueError", str(missing), (1,)), refused
+        assert f"[rank 1] ds_config: cannot read this DeepSpeed config: {missing}" in refused.message

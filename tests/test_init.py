@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from typing import NamedTuple
+from unittest import mock
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ import zload
 
 from . import models
 from .harness import run_world
-from .zero3 import DS_CONFIG, check_against, load_expected, load_recording_warnings
+from .zero3 import (DS_CONFIG, Refused, bad_ds_configs, check_against, dtype_config, load_expected,
+                    load_recording_warnings, refusal)
 
 
 def _count_calls(build):
@@ -113,3 +116,57 @@ def test_init_parameters_outside_the_checkpoints_scope_still_count(tmp_path):
     save_file(state, str(tmp_path / "m.safetensors"))
     for error in run_world(2, _peft_base_only, str(tmp_path / "m.safetensors")):
         assert error is not None and "zload.init" in error and "lora_A" in error, error
+
+
+def _build(config, kwargs) -> None:
+    with zload.init(config, **kwargs):
+        models.ParamsOnly()
+
+
+def _refusals_of(configs, kwargs) -> list[Refused | None]:
+    """What ``zload.init(config, **kwargs)`` building a model raised, for each of ``configs``."""
+    return [refusal(lambda: _build(config, kwargs)) for config in configs]
+
+
+def test_a_bad_config_is_refused_naming_the_key_before_deepspeed_reads_it(tmp_path):
+    """Wrong section types, a missing or garbled JSON file, a config of no config's type, weight
+    quantization and "auto" batch sizes; each refused with the key and file at fault."""
+    bad = bad_ds_configs(tmp_path, "config")
+    for refusals in run_world(2, _refusals_of, [case.config for case in bad], {}):
+        for case, refused in zip(bad, refusals, strict=True):
+            assert refused is not None and (refused.kind, refused.path) == (case.kind, case.path), (case, refused)
+            assert case.says in refused.message, (case, refused)
+
+
+def test_quantized_weights_asked_by_argument_are_refused_before_deepspeed_builds_its_quantizer(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dtype_config(torch.bfloat16)))
+    for refusals in run_world(2, _refusals_of, [DS_CONFIG, str(path)], {"zero_quantized_nontrainable_weights": True}):
+        for refused in refusals:  # the argument at fault, not the file
+            assert refused is not None and (refused.kind, refused.path) == ("ArgumentValueError", None), refused
+            assert "weight-quantized parameters (zero_quantized_nontrainable_weights=True asks" in refused.message
+
+
+def _built_from_file(path):
+    """The dtypes of a model built by ``zload.init(path)``, and the types of the configs DeepSpeed
+    was given."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    given = []
+    parse = DeepSpeedConfig.__init__
+
+    def recording(self, config, *args, **kwargs):
+        given.append(type(config).__name__)
+        parse(self, config, *args, **kwargs)
+
+    with mock.patch.object(DeepSpeedConfig, "__init__", recording), zload.init(path):
+        model = models.ParamsOnly()
+    return {str(p.ds_tensor.dtype) for p in model.parameters()}, given
+
+
+def test_a_config_file_is_read_once_by_zload(tmp_path):
+    """A JSON file's config builds as DeepSpeed reads it ("bfloat16", the older name of "bf16"), and
+    DeepSpeed is given the dict zload checked, not the path to read again."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**DS_CONFIG, "bfloat16": {"enabled": True}}))
+    assert run_world(2, _built_from_file, str(path)) == [({"torch.bfloat16"}, ["dict"])] * 2

@@ -6,6 +6,8 @@ checkpoint tensor cast by ``Tensor.to``, so a wrong partition, offset, cast or p
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from typing import NamedTuple
 
@@ -30,6 +32,56 @@ def dtype_config(dtype, config=None) -> dict:
     config["bf16"] = {"enabled": dtype == torch.bfloat16}
     config["fp16"] = {"enabled": dtype == torch.float16}
     return config
+
+
+class BadConfig(NamedTuple):
+    config: object  # a DeepSpeed config (dict), a JSON file's path, or neither
+    kind: str  # the class of the error zload raises
+    says: str  # what its message holds: the key at fault, under the argument's name
+    path: str | None  # its ``path``: the file at fault
+
+
+def bad_ds_configs(folder, name: str) -> list[BadConfig]:
+    """Configs refused before DeepSpeed reads them (``name``: the argument that passes them), some
+    in JSON files written into ``folder``."""
+    missing, garbled, quantized = (os.path.join(folder, f) for f in ("missing.json", "garbled.json", "quantized.json"))
+    with open(garbled, "w") as f:
+        f.write('{"train_micro_batch_size_per_gpu": 1,')
+    with open(quantized, "w") as f:
+        json.dump({**DS_CONFIG, "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, f)
+    quantized_init = {"quantized_initialization": {"num_bits": 8, "group_size": 64, "group_dim": 1, "symmetric": False}}
+    return [
+        BadConfig({**DS_CONFIG, "zero_optimization": "stage3"}, "ArgumentTypeError",
+                  f"{name}[\"zero_optimization\"] is 'stage3' (a str)", None),
+        BadConfig({**DS_CONFIG, "zero_optimization": [3]}, "ArgumentTypeError",
+                  f"{name}[\"zero_optimization\"] is [3] (a list)", None),
+        BadConfig({**DS_CONFIG, "bf16": True}, "ArgumentTypeError", f"{name}[\"bf16\"] is True (a bool)", None),
+        BadConfig(missing, "ArgumentValueError", f"{missing}: cannot read: No such file", missing),
+        BadConfig(garbled, "ArgumentValueError", f"{garbled}: not JSON", garbled),
+        BadConfig(3, "ArgumentTypeError", f"{name} is 3 (an int)", None),
+        BadConfig(quantized, "ArgumentValueError",
+                  f"{name}[\"zero_optimization\"][\"zero_quantized_nontrainable_weights\"] (in {quantized})", quantized),
+        BadConfig({**DS_CONFIG, "weight_quantization": quantized_init}, "ArgumentValueError",
+                  f"{name}[\"weight_quantization\"][\"quantized_initialization\"]", None),
+        BadConfig({**DS_CONFIG, "train_micro_batch_size_per_gpu": "auto"}, "ArgumentValueError",
+                  f"{name}[\"train_micro_batch_size_per_gpu\"] is \"auto\": zload does not resolve", None),
+    ]
+
+
+class Refused(NamedTuple):
+    kind: str
+    message: str
+    path: str | None
+    ranks: tuple[int, ...] | None
+
+
+def refusal(call) -> Refused | None:
+    """The error ``call()`` raised (any: DeepSpeed's own too, to compare with zload's), or None."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001
+        return Refused(type(e).__name__, str(e), getattr(e, "path", None), getattr(e, "ranks", None))
+    return None
 
 
 def build_zero(factory, dtype=torch.float32, config=None):

@@ -38,6 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .collector import collector_paused
+from .ds_config import read_ds_config, refuse_weight_quantization
 from .errors import ZloadError
 from .integrations.transformers import skip_weight_init
 
@@ -224,15 +225,6 @@ def _import_dynamo() -> None:
         importlib.import_module("torch._dynamo")
 
 
-def _refuse_quantization(zero_init) -> None:
-    if zero_init.quantized_initialization or zero_init.quantized_nontrainable_weights:
-        raise ZloadError(
-            "zload.init does not build weight-quantized parameters (DeepSpeed's "
-            "weight_quantization.quantized_initialization or zero_quantized_nontrainable_weights "
-            "is on), and zload cannot load into them: build this model with deepspeed.zero.Init "
-            "and without quantized weights, or turn those options off")
-
-
 def _first_partition_is_plain(zero_init) -> bool:
     """No hpZ secondary partition and no NVMe swapping: ``_allocate_partition`` does all that
     DeepSpeed's first partitioning of a parameter would."""
@@ -319,20 +311,24 @@ def init(config=None, *, dtype: torch.dtype | None = None, enabled: bool = True,
     global random generator gets other values than under ``zero.Init`` (which also draws every
     parameter's initialisation from it). A parameter made by any other call (``torch.arange``,
     ``torch.eye``, arithmetic) is built at full size and then partitioned, as under ``zero.Init``.
+    ``config`` (a dict or a JSON file's path) is checked first (``zload.ds_config``), and weight
+    quantization refused, before DeepSpeed reads either.
     """
     import deepspeed
     from deepspeed.runtime.zero import partition_parameters as zero_partitions
     from deepspeed.runtime.zero.partition_parameters import Init
 
     global _active
+    checked = None if config is None else read_ds_config(config, "config")
+    config = None if checked is None else checked.values  # read once: DeepSpeed is given what was checked
     if _active or not enabled:  # zero.Init nests the same way: the outermost one decides
         with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, enabled=enabled, **zero_init_kwargs):
             yield
         return
+    refuse_weight_quantization(checked, zero_init_kwargs)
     _import_dynamo()
 
     zero_init = deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, **zero_init_kwargs)
-    _refuse_quantization(zero_init)
     deferral = _Deferral(zero_init.local_device)
     built = []  # (parameter, device its empty data lives on once partitioned)
     modules = []  # every module built, to check that nothing was left on meta

@@ -12,7 +12,6 @@ transformers is imported only inside these functions, once a transformers model 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 from math import prod
@@ -21,6 +20,7 @@ from typing import Callable, Collection
 from unittest import mock
 
 from ..distributed import agree, problems_of
+from ..ds_config import DsConfig, read_ds_config, refuse_weight_quantization
 from ..errors import ArgumentTypeError, ArgumentValueError
 from ..index import DTYPES, CheckpointIndex
 from ..names import Piece, Source
@@ -211,8 +211,9 @@ def from_pretrained(model_class, path_or_repo_id: str | os.PathLike, ds_config, 
     ``model_class``: a ``PreTrainedModel`` class or an ``AutoModel*`` class. ``path_or_repo_id``:
     a folder holding ``config.json`` and safetensors weights, or a Hub repo id at ``revision``,
     downloaded once per node. ``ds_config``: the DeepSpeed config (a dict or a JSON file's path),
-    ZeRO stage 3. ``dtype`` of the parameters (a ``torch.dtype`` or its name): by default the one
-    ``ds_config`` enables (``bf16``, ``fp16``; ``"enabled": "auto"`` enables none), else the
+    ZeRO stage 3, checked by ``zload.ds_config`` (the ranks agree on its verdict). ``dtype`` of the
+    parameters (a ``torch.dtype`` or its name): by default the one ``ds_config`` enables, read as
+    DeepSpeed reads it (``bf16``, ``fp16``; ``"enabled": "auto"`` enables none), else the
     checkpoint config's, which ``"auto"`` asks for outright; float32 if neither names one.
     ``trust_remote_code`` and ``config_kwargs``
     (config attributes to override) as in ``from_pretrained``; ``strict``, ``key_map``,
@@ -226,7 +227,13 @@ def from_pretrained(model_class, path_or_repo_id: str | os.PathLike, ds_config, 
     from ..checkpoint import local_path
     from ..load import load_into
 
-    ds_config = _zero3_config(ds_config)
+    def check_ds_config():
+        checked = read_ds_config(ds_config, "ds_config", zero3=True)
+        refuse_weight_quantization(checked, {})
+        return checked
+
+    checked, problems = problems_of("checking ds_config", check_ds_config)
+    agree(problems, "zload: cannot build a model with this ds_config")
     concrete = isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)
     if not concrete and not (isinstance(model_class, type) and hasattr(model_class, "from_config")):
         raise ArgumentTypeError(f"model_class={model_class!r}: expected a transformers PreTrainedModel class "
@@ -249,12 +256,12 @@ def from_pretrained(model_class, path_or_repo_id: str | os.PathLike, ds_config, 
 
     config, problems = problems_of(f"reading the config of {path}", read_config)
     agree(problems, f"zload: cannot build a model from {path}")
-    dtype = _parameter_dtype(dtype, ds_config, config)
+    dtype = _parameter_dtype(dtype, checked, config)
     config.name_or_path = path
     # transformers' own zero.Init path keeps zero.Init from casting torch.arange (RoPE buffers) too
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-    with prevent_arange_dtype_change(), init(_with_dtype(ds_config, dtype)):
+    with prevent_arange_dtype_change(), init(_with_dtype(checked, dtype)):
         if concrete:
             model = model_class._from_config(config, dtype=dtype)  # what AutoModel*.from_config runs
         else:
@@ -266,40 +273,16 @@ def from_pretrained(model_class, path_or_repo_id: str | os.PathLike, ds_config, 
     return (model, report) if output_loading_info else model
 
 
-def _zero3_config(ds_config) -> dict:
-    """``ds_config`` as a dict that asks for ZeRO stage 3, its bfloat16 section under the name "bf16"."""
-    if isinstance(ds_config, (str, os.PathLike)):
-        try:
-            with open(ds_config) as f:
-                ds_config = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ArgumentValueError(f"ds_config={os.fspath(ds_config)!r}: cannot read it as a DeepSpeed "
-                                     f"JSON config ({e}); pass the config as a dict or a JSON file's path",
-                                     path=os.fspath(ds_config)) from e
-    if not isinstance(ds_config, dict):
-        raise ArgumentTypeError(f"ds_config: expected a dict or a JSON file's path, got {type(ds_config).__name__}")
-    if "bf16" not in ds_config and "bfloat16" in ds_config:  # DeepSpeed's older name, which "bf16" overrides
-        ds_config = {**ds_config, "bf16": ds_config["bfloat16"]}
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage != 3:
-        raise ArgumentValueError(f"ds_config asks for ZeRO stage {stage}: zload builds and loads ZeRO-3 models "
-                                 f"(parameters partitioned across ranks); set \"zero_optimization\": "
-                                 f"{{\"stage\": 3}}, or for stages 0-2, which keep whole models, use "
-                                 f"transformers' own from_pretrained")
-    return ds_config
-
-
 # the dtypes ZeRO-3 builds parameters in, and the sections of a DeepSpeed config that ask for them
 _ZERO_DTYPES = {"float32": None, "bfloat16": "bf16", "float16": "fp16"}
 
 
-def _parameter_dtype(dtype, ds_config: dict, config):
+def _parameter_dtype(dtype, ds_config: DsConfig, config):
     """The argument, else the dtype ``ds_config`` enables, else the config's ("auto")."""
     import torch
 
     if dtype is None:
-        dtype = next((getattr(torch, name) for name, section in _ZERO_DTYPES.items()
-                      if section and ds_config.get(section, {}).get("enabled") is True), "auto")
+        dtype = ds_config.dtype or "auto"
     from_config = dtype == "auto"
     if from_config:
         dtype = getattr(config, "dtype", None) or torch.float32
@@ -311,10 +294,10 @@ def _parameter_dtype(dtype, ds_config: dict, config):
     return getattr(torch, name)
 
 
-def _with_dtype(ds_config: dict, dtype) -> dict:
-    """``ds_config`` whose bf16/fp16 sections ask ``zload.init`` for ``dtype``: zero.Init's
-    ``dtype=`` is ignored on accelerators without float16 (DeepSpeed 0.19.8 ``_set_dtype``), its
-    config never is."""
-    sections = {section: {**ds_config.get(section, {}), "enabled": str(dtype) == f"torch.{name}"}
+def _with_dtype(ds_config: DsConfig, dtype) -> dict:
+    """``ds_config`` whose bf16/fp16 sections (as DeepSpeed reads them: "bfloat16" where "bf16" is
+    absent) ask ``zload.init`` for ``dtype``: zero.Init's ``dtype=`` is ignored on accelerators
+    without float16 (DeepSpeed 0.19.8 ``_set_dtype``), its config never is."""
+    sections = {section: {**ds_config.precision[section], "enabled": str(dtype) == f"torch.{name}"}
                 for name, section in _ZERO_DTYPES.items() if section}
-    return {**ds_config, **sections}
+    return {**ds_config.values, **sections}
