@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from .harness import exit_aborting_hook, run_world
 from .models import tiny_llama_config
 from .native_checkpoints import NativeCase, deepspeed_reference, zload_reference
 from .test_native_checkpoints import CASES
+from .test_save import fill_the_disk
 from .zero3 import assert_bit_equal
 
 transformers = pytest.importorskip("transformers")
@@ -211,9 +213,73 @@ def test_a_failure_on_one_rank_fails_every_rank_and_leaves_out_as_it_was(zero3_w
     assert len({(kind, message.split("\n", 1)[1]) for kind, message in results}) == 1, results
     kind, message = results[0]
     expected = {"corrupt": ("InvalidCheckpointError", "nothing was written"),
-                "disk": ("ZloadError", "still holds what it held before")}[how]
+                "disk": ("WriteError", "still holds what it held before")}[how]
     assert kind == expected[0] and expected[1] in message and "[rank 1]" in message, message
     assert _files(out) == {"notes.txt": b"someone's notes"}
+
+
+def _pages(folder) -> int:
+    """The 4 KiB pages the files in ``folder`` take on a tmpfs."""
+    return sum(-(-p.stat().st_size // 4096) for p in Path(folder).iterdir())
+
+
+def _convert_error(folder, out):
+    """As ``test_save._save_linear``: the error's class, errno, path and message, or None."""
+    try:
+        zload.convert(folder, out, staging_bytes=4096)
+    except zload.ZloadError as e:
+        return type(e).__name__, getattr(e, "errno", None), e.path, str(e)
+    return None
+
+
+def test_a_full_disk_fails_every_rank_and_leaves_out_as_it_was(zero3_w2, tmp_path, small_disk):
+    """A real full filesystem (a small tmpfs) under OUT, which holds an earlier conversion that
+    leaves too little room for the new files beside it: every rank raises a WriteError (ENOSPC)
+    naming the file being written, what state OUT is in and what to do (``fill_the_disk``); OUT
+    keeps the earlier conversion."""
+    zload.convert(zero3_w2.folder, tmp_path / "reference")
+    pages = _pages(tmp_path / "reference") + 1  # and the notes
+    out = small_disk((pages + pages // 2) * 4096) / "out"
+    assert fill_the_disk(out, _convert_error, zero3_w2.folder) == {**_files(tmp_path / "reference"),
+                                                                   "notes.txt": b"someone's notes"}
+
+
+def test_a_file_size_limit_fails_zload_convert_under_torchrun(zero3_w2, tmp_path):
+    """``torchrun -m zload convert`` in processes whose files may not grow past a limit
+    (RLIMIT_FSIZE, ``ulimit -f``), smaller than the one-file output: a real EFBIG while creating
+    it, which each rank reports as a named error saying to write smaller shards, OUT as it was;
+    smaller shards then fit."""
+    zload.convert(zero3_w2.folder, tmp_path / "reference")
+    limit = (tmp_path / "reference" / "model.safetensors").stat().st_size // 2
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone's notes")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "zload", "convert", str(zero3_w2.folder), str(out)]
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+                          preexec_fn=limited)
+    assert done.returncode != 0, done.stdout[-3000:]
+    # each rank that reports before torchrun stops the others when the first exits (their lines
+    # may interleave)
+    errors = done.stderr.count(f"zload: error: zload: cannot save to {out}; nothing was written:")
+    assert errors >= 1 and done.stderr.count(
+        "/model.safetensors: the file would be larger than its filesystem or this process (ulimit -f) allows "
+        "(EFBIG); write smaller shards (max_shard_size)") == errors, done.stderr[-3000:]
+    assert "unexpected" not in done.stderr
+    # a staging folder may be left if torchrun stopped rank 0 before it removed it: the next
+    # conversion into OUT removes it (checked below)
+    assert [p.name for p in out.iterdir() if not p.name.startswith(".zload-save-")] == ["notes.txt"]
+    cmd += ["--max-shard-size", str(limit // 2)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+                          preexec_fn=limited)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    zload.convert(zero3_w2.folder, tmp_path / "shards", max_shard_size=limit // 2)
+    assert _files(out) == {**_files(tmp_path / "shards"), "notes.txt": b"someone's notes"}
 
 
 def test_not_a_deepspeed_checkpoint(tmp_path):

@@ -37,6 +37,7 @@ from .native import LATEST, converted_tensors, native_folder, read_native
 from .progress import progress_for
 from .report import SaveReport
 from .save_plan import OutFile, OutTensor, WriteItem
+from .savedir import writing
 from .saving import write_checkpoint
 
 WEIGHTS = ("master", "module")
@@ -137,8 +138,9 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: s
     HF Trainer's ``checkpoint-N/``) is copied. Streamed in pieces of at most ``staging_bytes``
     in all, whatever the model's size. Under torch.distributed every rank must call it and each
     writes a share (rank 0 all of it when the ranks do not share ``out``'s filesystem); a problem
-    on any rank raises the same error on every rank, leaving ``out`` as it was. ``progress``: a
-    bar on rank 0 (None: only on a terminal).
+    on any rank raises the same error on every rank, leaving ``out`` as it was (a ``WriteError``
+    where writing failed: a full disk, a spent quota). ``progress``: a bar on rank 0 (None: only
+    on a terminal).
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
@@ -159,7 +161,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: s
 
     def write_config(plan, folder: str) -> None:
         if read.config is not None:
-            with open(os.path.join(folder, CONFIG), "wb") as copy:
+            with writing(os.path.join(folder, CONFIG)), open(os.path.join(folder, CONFIG), "wb") as copy:
                 copy.write(pread_exactly(read.config, read.config.identity.size, 0))
 
     try:
