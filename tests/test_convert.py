@@ -16,6 +16,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,116 @@ def test_byte_shares_cover_every_element_once():
             == everything
         sizes = [sum(i.nbytes for i in share) for share in shares]
         assert max(sizes) - min(sizes) <= 2 * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# the config.json copied beside the weights
+
+SECRET = b"hf_a-token-not-to-publish"
+
+
+def _checkpoint_with(zero3_w2, folder: Path, config=None) -> Path:
+    """A copy of the HF Trainer folder ``zero3_w2.folder`` at ``folder``; ``config(path)`` puts
+    what the test wants at its config.json."""
+    shutil.copytree(zero3_w2.folder, folder)
+    (folder / "config.json").unlink()
+    if config:
+        config(folder / "config.json")
+    return folder
+
+
+def _convert_all(jobs) -> list[list[str]]:
+    """Convert each (checkpoint, out) of ``jobs`` in turn; the ZloadWarnings each gave this rank."""
+    seen = []
+    for folder, out in jobs:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zload.convert(folder, out, staging_bytes=4096)
+        seen.append([str(w.message) for w in caught if issubclass(w.category, zload.ZloadWarning)])
+    return seen
+
+
+def _run_conversions(tmp_path, checkpoints: dict[str, Path]) -> dict[str, list[list[str]]]:
+    """Every checkpoint converted by two ranks into OUT/<name>: the warnings of rank 0 and 1."""
+    jobs = [(str(folder), str(tmp_path / "out" / name)) for name, folder in checkpoints.items()]
+    warned = run_world(2, _convert_all, jobs, timeout=120)
+    return {name: [warned[0][k], warned[1][k]] for k, name in enumerate(checkpoints)}
+
+
+def test_only_a_config_inside_the_checkpoint_is_copied(zero3_w2, tmp_path):
+    """A config.json that is a link out of the checkpoint folder (to a token), directly or through
+    a link inside it, is left out with a warning (rank 0's, which copies it) naming it and where it
+    leads; one that is a link staying inside, or a Hub cache snapshot's link into the repository's
+    blobs, is copied byte for byte. The weights are written either way."""
+    model_config = (zero3_w2.folder / "config.json").read_bytes()
+    (tmp_path / "token").write_bytes(SECRET)
+
+    def inside(config):
+        (config.parent / "configs").mkdir()
+        (config.parent / "configs" / "model.json").write_bytes(model_config)
+        config.symlink_to("configs/model.json")
+
+    def through(config):
+        (config.parent / "alias.json").symlink_to(tmp_path / "token")
+        config.symlink_to("alias.json")
+
+    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / "0123abc"
+    (tmp_path / "hub" / "models--org--name" / "blobs").mkdir(parents=True)
+    (tmp_path / "hub" / "models--org--name" / "blobs" / "4567def").write_bytes(model_config)
+    checkpoints = {
+        "outside": _checkpoint_with(zero3_w2, tmp_path / "outside", lambda c: c.symlink_to(tmp_path / "token")),
+        "relative": _checkpoint_with(zero3_w2, tmp_path / "relative", lambda c: c.symlink_to("../token")),
+        "through": _checkpoint_with(zero3_w2, tmp_path / "through", through),
+        "inside": _checkpoint_with(zero3_w2, tmp_path / "inside", inside),
+        "hub": _checkpoint_with(zero3_w2, snapshot / "last-checkpoint",
+                                lambda c: c.symlink_to("../../../blobs/4567def")),
+    }
+    warned = _run_conversions(tmp_path, checkpoints)
+    zload.convert(zero3_w2.folder, tmp_path / "reference")
+    weights = _files(tmp_path / "reference")
+    for name in ("outside", "relative", "through"):
+        (note,), [] = warned[name]
+        assert note == (f"zload: {checkpoints[name] / 'config.json'} is not copied beside the weights: it is "
+                        f"a link to '{tmp_path / 'token'}', outside {checkpoints[name]}, and no other file of "
+                        "this machine (a token, a key) may end up there; copy the model's config.json there "
+                        "yourself")
+        assert _files(tmp_path / "out" / name) == {"model.safetensors": weights["model.safetensors"]}
+    for name in ("inside", "hub"):
+        assert warned[name] == [[], []]
+        assert _files(tmp_path / "out" / name) == weights and weights["config.json"] == model_config
+
+
+@pytest.mark.parametrize("kind", ["fifo", "not-json", "folder", "dangling"])
+def test_a_config_that_is_no_regular_json_file_is_left_out(zero3_w2, tmp_path, kind):
+    """A FIFO named config.json (which would block a reader forever), a file that is not JSON (a
+    token dropped there), a folder or a dangling link: left out with a warning that names it and
+    says why; the weights are written, no rank waits."""
+    make = {"fifo": os.mkfifo, "not-json": lambda c: c.write_bytes(SECRET), "folder": os.mkdir,
+            "dangling": lambda c: c.symlink_to("nowhere.json")}[kind]
+    folder = _checkpoint_with(zero3_w2, tmp_path / "checkpoint", make)
+    (notes, []), = _run_conversions(tmp_path, {"out": folder}).values()
+    read = folder / ("nowhere.json" if kind == "dangling" else "config.json")  # the link's target
+    why = {"fifo": "is a FIFO, not a regular file", "not-json": "not JSON zload reads",
+           "folder": "is a directory, not a regular file", "dangling": "cannot read: No such file"}[kind]
+    assert len(notes) == 1, notes
+    assert notes[0].startswith(f"zload: {folder / 'config.json'} is not copied beside the weights: {read}: {why}")
+    assert notes[0].endswith("; copy the model's config.json there yourself"), notes
+    zload.convert(zero3_w2.folder, tmp_path / "reference")
+    weights = _files(tmp_path / "reference")["model.safetensors"]
+    assert _files(tmp_path / "out" / "out") == {"model.safetensors": weights}
+
+
+def test_zload_convert_warns_of_the_config_it_leaves_out(zero3_w2, tmp_path):
+    """``zload convert`` in one process: a config.json linking to a token outside the checkpoint
+    is named on stderr and left out; the conversion succeeds."""
+    (tmp_path / "token").write_bytes(SECRET)
+    folder = _checkpoint_with(zero3_w2, tmp_path / "checkpoint", lambda c: c.symlink_to(tmp_path / "token"))
+    done = subprocess.run([sys.executable, "-m", "zload", "convert", str(folder), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (f"ZloadWarning: zload: {folder / 'config.json'} is not copied beside the weights: it is a link to "
+            f"'{tmp_path / 'token'}', outside {folder}") in done.stderr, done.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "out")) == ["model.safetensors"]
 
 
 # ---------------------------------------------------------------------------------------------
