@@ -1,4 +1,5 @@
 import os
+import subprocess
 
 import pytest
 
@@ -43,3 +44,29 @@ def native_checkpoint(tmp_path_factory):
         return cases[key]
 
     return get
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(nbytes)``: an empty folder on a filesystem of its own that holds ``nbytes`` (a
+    tmpfs mounted for the test, unmounted after it), where a write really meets a full disk.
+    Skips where this process may not mount one (not root): the ``RLIMIT_FSIZE`` tests still make
+    a write fail for real there."""
+    mounted = []
+
+    def mount(nbytes: int):
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(folder)],
+                                  capture_output=True, text=True, timeout=60)
+        except OSError as e:
+            pytest.skip(f"cannot run mount to make a small filesystem to fill: {e}")
+        if done.returncode:
+            pytest.skip(f"cannot mount a small tmpfs to fill: {done.stderr.strip() or done.returncode}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "--lazy", str(folder)], check=True, timeout=60)  # even if a rank kept a file open

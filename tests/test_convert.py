@@ -12,9 +12,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from .harness import exit_aborting_hook, run_world
 from .models import tiny_llama_config
 from .native_checkpoints import NativeCase, deepspeed_reference, zload_reference
 from .test_native_checkpoints import CASES
+from .test_save import fill_the_disk
 from .zero3 import assert_bit_equal
 
 transformers = pytest.importorskip("transformers")
@@ -173,6 +176,116 @@ def test_byte_shares_cover_every_element_once():
 
 
 # ---------------------------------------------------------------------------------------------
+# the config.json copied beside the weights
+
+SECRET = b"hf_a-token-not-to-publish"
+
+
+def _checkpoint_with(zero3_w2, folder: Path, config=None) -> Path:
+    """A copy of the HF Trainer folder ``zero3_w2.folder`` at ``folder``; ``config(path)`` puts
+    what the test wants at its config.json."""
+    shutil.copytree(zero3_w2.folder, folder)
+    (folder / "config.json").unlink()
+    if config:
+        config(folder / "config.json")
+    return folder
+
+
+def _convert_all(jobs) -> list[list[str]]:
+    """Convert each (checkpoint, out) of ``jobs`` in turn; the ZloadWarnings each gave this rank."""
+    seen = []
+    for folder, out in jobs:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zload.convert(folder, out, staging_bytes=4096)
+        seen.append([str(w.message) for w in caught if issubclass(w.category, zload.ZloadWarning)])
+    return seen
+
+
+def _run_conversions(tmp_path, checkpoints: dict[str, Path]) -> dict[str, list[list[str]]]:
+    """Every checkpoint converted by two ranks into OUT/<name>: the warnings of rank 0 and 1."""
+    jobs = [(str(folder), str(tmp_path / "out" / name)) for name, folder in checkpoints.items()]
+    warned = run_world(2, _convert_all, jobs, timeout=120)
+    return {name: [warned[0][k], warned[1][k]] for k, name in enumerate(checkpoints)}
+
+
+def test_only_a_config_inside_the_checkpoint_is_copied(zero3_w2, tmp_path):
+    """A config.json that is a link out of the checkpoint folder (to a token), directly or through
+    a link inside it, is left out with a warning (rank 0's, which copies it) naming it and where it
+    leads; one that is a link staying inside, or a Hub cache snapshot's link into the repository's
+    blobs, is copied byte for byte. The weights are written either way."""
+    model_config = (zero3_w2.folder / "config.json").read_bytes()
+    (tmp_path / "token").write_bytes(SECRET)
+
+    def inside(config):
+        (config.parent / "configs").mkdir()
+        (config.parent / "configs" / "model.json").write_bytes(model_config)
+        config.symlink_to("configs/model.json")
+
+    def through(config):
+        (config.parent / "alias.json").symlink_to(tmp_path / "token")
+        config.symlink_to("alias.json")
+
+    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / "0123abc"
+    (tmp_path / "hub" / "models--org--name" / "blobs").mkdir(parents=True)
+    (tmp_path / "hub" / "models--org--name" / "blobs" / "4567def").write_bytes(model_config)
+    checkpoints = {
+        "outside": _checkpoint_with(zero3_w2, tmp_path / "outside", lambda c: c.symlink_to(tmp_path / "token")),
+        "relative": _checkpoint_with(zero3_w2, tmp_path / "relative", lambda c: c.symlink_to("../token")),
+        "through": _checkpoint_with(zero3_w2, tmp_path / "through", through),
+        "inside": _checkpoint_with(zero3_w2, tmp_path / "inside", inside),
+        "hub": _checkpoint_with(zero3_w2, snapshot / "last-checkpoint",
+                                lambda c: c.symlink_to("../../../blobs/4567def")),
+    }
+    warned = _run_conversions(tmp_path, checkpoints)
+    zload.convert(zero3_w2.folder, tmp_path / "reference")
+    weights = _files(tmp_path / "reference")
+    for name in ("outside", "relative", "through"):
+        (note,), [] = warned[name]
+        assert note == (f"zload: {checkpoints[name] / 'config.json'} is not copied beside the weights: it is "
+                        f"a link to '{tmp_path / 'token'}', outside {checkpoints[name]}, and no other file of "
+                        "this machine (a token, a key) may end up there; copy the model's config.json there "
+                        "yourself")
+        assert _files(tmp_path / "out" / name) == {"model.safetensors": weights["model.safetensors"]}
+    for name in ("inside", "hub"):
+        assert warned[name] == [[], []]
+        assert _files(tmp_path / "out" / name) == weights and weights["config.json"] == model_config
+
+
+@pytest.mark.parametrize("kind", ["fifo", "not-json", "folder", "dangling"])
+def test_a_config_that_is_no_regular_json_file_is_left_out(zero3_w2, tmp_path, kind):
+    """A FIFO named config.json (which would block a reader forever), a file that is not JSON (a
+    token dropped there), a folder or a dangling link: left out with a warning that names it and
+    says why; the weights are written, no rank waits."""
+    make = {"fifo": os.mkfifo, "not-json": lambda c: c.write_bytes(SECRET), "folder": os.mkdir,
+            "dangling": lambda c: c.symlink_to("nowhere.json")}[kind]
+    folder = _checkpoint_with(zero3_w2, tmp_path / "checkpoint", make)
+    (notes, []), = _run_conversions(tmp_path, {"out": folder}).values()
+    read = folder / ("nowhere.json" if kind == "dangling" else "config.json")  # the link's target
+    why = {"fifo": "is a FIFO, not a regular file", "not-json": "not JSON zload reads",
+           "folder": "is a directory, not a regular file", "dangling": "cannot read: No such file"}[kind]
+    assert len(notes) == 1, notes
+    assert notes[0].startswith(f"zload: {folder / 'config.json'} is not copied beside the weights: {read}: {why}")
+    assert notes[0].endswith("; copy the model's config.json there yourself"), notes
+    zload.convert(zero3_w2.folder, tmp_path / "reference")
+    weights = _files(tmp_path / "reference")["model.safetensors"]
+    assert _files(tmp_path / "out" / "out") == {"model.safetensors": weights}
+
+
+def test_zload_convert_warns_of_the_config_it_leaves_out(zero3_w2, tmp_path):
+    """``zload convert`` in one process: a config.json linking to a token outside the checkpoint
+    is named on stderr and left out; the conversion succeeds."""
+    (tmp_path / "token").write_bytes(SECRET)
+    folder = _checkpoint_with(zero3_w2, tmp_path / "checkpoint", lambda c: c.symlink_to(tmp_path / "token"))
+    done = subprocess.run([sys.executable, "-m", "zload", "convert", str(folder), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (f"ZloadWarning: zload: {folder / 'config.json'} is not copied beside the weights: it is a link to "
+            f"'{tmp_path / 'token'}', outside {folder}") in done.stderr, done.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "out")) == ["model.safetensors"]
+
+
+# ---------------------------------------------------------------------------------------------
 # failures: every rank raises the same error, OUT keeps what it held
 
 def _convert_failing_on(rank_failing, folder, out, corrupt, how) -> tuple[str, str] | list[str]:
@@ -211,9 +324,73 @@ def test_a_failure_on_one_rank_fails_every_rank_and_leaves_out_as_it_was(zero3_w
     assert len({(kind, message.split("\n", 1)[1]) for kind, message in results}) == 1, results
     kind, message = results[0]
     expected = {"corrupt": ("InvalidCheckpointError", "nothing was written"),
-                "disk": ("ZloadError", "still holds what it held before")}[how]
+                "disk": ("WriteError", "still holds what it held before")}[how]
     assert kind == expected[0] and expected[1] in message and "[rank 1]" in message, message
     assert _files(out) == {"notes.txt": b"someone's notes"}
+
+
+def _pages(folder) -> int:
+    """The 4 KiB pages the files in ``folder`` take on a tmpfs."""
+    return sum(-(-p.stat().st_size // 4096) for p in Path(folder).iterdir())
+
+
+def _convert_error(folder, out):
+    """As ``test_save._save_linear``: the error's class, errno, path and message, or None."""
+    try:
+        zload.convert(folder, out, staging_bytes=4096)
+    except zload.ZloadError as e:
+        return type(e).__name__, getattr(e, "errno", None), e.path, str(e)
+    return None
+
+
+def test_a_full_disk_fails_every_rank_and_leaves_out_as_it_was(zero3_w2, tmp_path, small_disk):
+    """A real full filesystem (a small tmpfs) under OUT, which holds an earlier conversion that
+    leaves too little room for the new files beside it: every rank raises a WriteError (ENOSPC)
+    naming the file being written, what state OUT is in and what to do (``fill_the_disk``); OUT
+    keeps the earlier conversion."""
+    zload.convert(zero3_w2.folder, tmp_path / "reference")
+    pages = _pages(tmp_path / "reference") + 1  # and the notes
+    out = small_disk((pages + pages // 2) * 4096) / "out"
+    assert fill_the_disk(out, _convert_error, zero3_w2.folder) == {**_files(tmp_path / "reference"),
+                                                                   "notes.txt": b"someone's notes"}
+
+
+def test_a_file_size_limit_fails_zload_convert_under_torchrun(zero3_w2, tmp_path):
+    """``torchrun -m zload convert`` in processes whose files may not grow past a limit
+    (RLIMIT_FSIZE, ``ulimit -f``), smaller than the one-file output: a real EFBIG while creating
+    it, which each rank reports as a named error saying to write smaller shards, OUT as it was;
+    smaller shards then fit."""
+    zload.convert(zero3_w2.folder, tmp_path / "reference")
+    limit = (tmp_path / "reference" / "model.safetensors").stat().st_size // 2
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone's notes")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "zload", "convert", str(zero3_w2.folder), str(out)]
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+                          preexec_fn=limited)
+    assert done.returncode != 0, done.stdout[-3000:]
+    # each rank that reports before torchrun stops the others when the first exits (their lines
+    # may interleave)
+    errors = done.stderr.count(f"zload: error: zload: cannot save to {out}; nothing was written:")
+    assert errors >= 1 and done.stderr.count(
+        "/model.safetensors: the file would be larger than its filesystem or this process (ulimit -f) allows "
+        "(EFBIG); write smaller shards (max_shard_size)") == errors, done.stderr[-3000:]
+    assert "unexpected" not in done.stderr
+    # a staging folder may be left if torchrun stopped rank 0 before it removed it: the next
+    # conversion into OUT removes it (checked below)
+    assert [p.name for p in out.iterdir() if not p.name.startswith(".zload-save-")] == ["notes.txt"]
+    cmd += ["--max-shard-size", str(limit // 2)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+                          preexec_fn=limited)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    zload.convert(zero3_w2.folder, tmp_path / "shards", max_shard_size=limit // 2)
+    assert _files(out) == {**_files(tmp_path / "shards"), "notes.txt": b"someone's notes"}
 
 
 def test_not_a_deepspeed_checkpoint(tmp_path):

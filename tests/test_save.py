@@ -191,3 +191,45 @@ def _saved_under_the_old_name(out):
 def test_buffer_bytes_is_the_old_name_of_staging_bytes(tmp_path):
     """load_into and save name their I/O buffer the same; save's old name still works, with a warning."""
     assert run_world(2, _saved_under_the_old_name, str(tmp_path / "out"))[0]
+
+
+
+def _save_linear(out):
+    """Every rank saves a ZeRO-3 128x128 Linear (64 KiB of weights) to ``out``; (error class,
+    errno, path, message), or None when the save succeeded."""
+    model = build_zero(lambda: torch.nn.Linear(128, 128))
+    try:
+        zload.save(model, out, staging_bytes=4096)
+    except zload.ZloadError as e:
+        return type(e).__name__, getattr(e, "errno", None), e.path, str(e)
+    return None
+
+
+def fill_the_disk(out, body, *args) -> dict[str, bytes]:
+    """``body(*args, out)`` (a save of two ranks, which returns what ``_save_linear`` does) run
+    twice on a filesystem with room for one result in ``out``: the first succeeds, and the second,
+    beside it, meets the full disk. Every rank raises a WriteError (ENOSPC) naming the file being
+    written, what state the folder is in and what to do, not a bug's traceback; the first result
+    and someone's file stay as they were, and no byte of the second does. Returns ``out``'s files."""
+    import errno
+    import os
+    import re
+
+    assert run_world(2, body, *args, str(out)) == [None, None]
+    (out / "notes.txt").write_text("someone's notes")
+    before, free = _files(out), os.statvfs(out).f_bfree
+    results = run_world(2, body, *args, str(out))
+    assert len(set(results)) == 1, results
+    kind, code, path, message = results[0]
+    assert (kind, code) == ("WriteError", errno.ENOSPC), message
+    assert re.fullmatch(re.escape(str(out)) + r"/\.zload-save-[0-9a-f]+/model\.safetensors", path), path
+    assert f"cannot write {path}: no space left on its filesystem (ENOSPC); free space there" in message
+    assert f"saving to {out} failed; {out} still holds what it held before" in message
+    assert "unexpected" not in message
+    assert _files(out) == before and os.statvfs(out).f_bfree == free
+    return before
+
+
+def test_a_full_disk_fails_every_rank_and_leaves_the_folder_as_it_was(small_disk):
+    out = small_disk(24 * 4096) / "out"  # a save takes 17 pages: room for one, not two
+    assert sorted(fill_the_disk(out, _save_linear)) == ["model.safetensors", "notes.txt"]

@@ -8,7 +8,7 @@ import logging
 from .checkpoint import open_checkpoint
 from .converting import convert
 from .errors import (ArgumentTypeError, ArgumentValueError, CheckpointError, CheckpointNotFoundError,
-                     InvalidCheckpointError, PeerLostError, PlanError, ZloadError, ZloadWarning)
+                     InvalidCheckpointError, PeerLostError, PlanError, WriteError, ZloadError, ZloadWarning)
 from .index import CheckpointIndex
 from .building import init
 from .integrations.transformers import from_pretrained
@@ -25,4 +25,4 @@ logging.getLogger("zload").addHandler(logging.NullHandler())
 __all__ = ["load_into", "save", "convert", "init", "from_pretrained", "open_checkpoint", "CheckpointIndex", "KeyMap",
            "LoadReport", "SaveReport", "ZloadError", "CheckpointError", "CheckpointNotFoundError",
            "InvalidCheckpointError", "PlanError", "ArgumentValueError", "ArgumentTypeError", "PeerLostError",
-           "ZloadWarning", "__version__"]
+           "WriteError", "ZloadWarning", "__version__"]

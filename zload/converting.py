@@ -18,6 +18,7 @@ any rank, the digests, and rank 0's commit.
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -29,31 +30,66 @@ from . import save_plan, writer
 from .checkpoint import LocalView, share_index, viewed
 from .collector import collector_paused
 from .distributed import agree, problems_of, rank_and_world, stage
-from .errors import ArgumentValueError, CheckpointNotFoundError, InvalidCheckpointError, ZloadWarning
+from .errors import ArgumentValueError, CheckpointError, CheckpointNotFoundError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES
-from .files import FileTable, OpenFile, open_regular
-from .index import DTYPES, MAX_INDEX_BYTES, SINGLE_FILE, CheckpointIndex, TensorEntry, pread_exactly
+from .files import FileTable, open_regular
+from .index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry, brief, read_json
 from .native import LATEST, converted_tensors, native_folder, read_native
 from .progress import progress_for
 from .report import SaveReport
 from .save_plan import OutFile, OutTensor, WriteItem
+from .savedir import writing
 from .saving import write_checkpoint
 
 WEIGHTS = ("master", "module")
 CONFIG = "config.json"  # copied from the folder holding the tag folder (an HF Trainer checkpoint-N/)
+_HUB_REPO = re.compile(r"(models|datasets|spaces)--.+")  # a repository's folder in the Hub cache
 
 
 @dataclass
 class _Source:
     """The checkpoint as this rank read it: its view (files open), what to write from it (each
-    tensor's entry and output dtype) and the config to copy."""
+    tensor's entry and output dtype) and, on rank 0, the config to copy or why none is (a note to
+    warn about)."""
 
     view: LocalView
     tensors: list[tuple[TensorEntry, str]]
-    config: OpenFile | None
+    config: bytes | None
+    notes: list[str]
 
 
-def _read(source: str, weights: str) -> _Source:
+def _inside(target: str, root: str) -> bool:
+    """Whether ``target`` lies in the folder ``root`` (both resolved), or, where ``root`` is in a
+    Hub cache snapshot (``models--org--name/snapshots/<revision>/``), in that repository's
+    ``blobs``, where the snapshot's links lead."""
+    parts = root.split(os.sep)
+    places = [root] + [os.sep.join(parts[:k - 1] + ["blobs"]) for k in range(2, len(parts))
+                       if parts[k - 1] == "snapshots" and _HUB_REPO.fullmatch(parts[k - 2])]
+    return any(os.path.commonpath([target, place]) == place for place in places)
+
+
+def _config(root: str) -> tuple[bytes | None, list[str]]:
+    """The bytes of the ``config.json`` in ``root`` (the folder holding the tag folder) to copy
+    beside the weights, or why it is not copied. The weights are whole without it, so one that is
+    not plainly the model's is left out, with a warning, rather than fail the conversion: a link
+    that leads out of ``root`` (to ``~/.cache/huggingface/token``, which would be published with
+    the weights), a file that is not regular (a FIFO would block) or not JSON. What is copied is
+    the bytes read and checked through the one descriptor."""
+    path = os.path.join(root, CONFIG)
+    if not os.path.lexists(path):
+        return None, []
+    target, skipped = os.path.realpath(path), f"zload: {path} is not copied beside the weights"
+    if not _inside(target, os.path.realpath(root)):
+        return None, [f"{skipped}: it is a link to {brief(target)}, outside {root}, and no other file of this "
+                      "machine (a token, a key) may end up there; copy the model's config.json there yourself"]
+    try:
+        with FileTable() as table:
+            return read_json(table.add(open_regular(target), CONFIG))[1], []
+    except CheckpointError as e:
+        return None, [f"{skipped}: {e}; copy the model's config.json there yourself"]
+
+
+def _read(source: str, weights: str, with_config: bool) -> _Source:
     if weights not in WEIGHTS:
         raise ArgumentValueError(f"weights={weights!r}: expected 'master' (the fp32 master weights) or "
                                  "'module' (the module's own, 16-bit when trained so)")
@@ -67,24 +103,19 @@ def _read(source: str, weights: str) -> _Source:
     table = FileTable()
     try:
         layout, entries = read_native(folder, table, module_weights=weights == "module")
-        config = os.path.join(os.path.dirname(os.path.abspath(folder)), CONFIG)
-        opened = table.add(open_regular(config), CONFIG) if os.path.lexists(config) else None
-        if opened is not None and opened.identity.size > MAX_INDEX_BYTES:
-            raise InvalidCheckpointError(f"{config}: {opened.identity.size:,} bytes, too large for a model "
-                                         "config; move it away to convert without it", path=config)
-        keys = tuple(k for k in table.files if k != CONFIG)
-        index = CheckpointIndex(source, keys, entries, opened=table, root=os.path.abspath(folder))
+        config = _config(os.path.dirname(os.path.abspath(folder))) if with_config else (None, [])
+        index = CheckpointIndex(source, tuple(table.files), entries, opened=table, root=os.path.abspath(folder))
     except BaseException:
         table.close()
         raise
-    return _Source(viewed(source, index), converted_tensors(layout, entries, weights == "module"), opened)
+    return _Source(viewed(source, index), converted_tensors(layout, entries, weights == "module"), *config)
 
 
-def _read_agreed(source: str, weights: str) -> _Source:
+def _read_agreed(source: str, weights: str, with_config: bool) -> _Source:
     """The checkpoint read on every rank, which must all see the same whole one; raises the same
     error on every rank if any cannot."""
     refused = f"zload: cannot convert {source}; nothing was written"
-    read, problems = problems_of(f"reading {source}", lambda: _read(source, weights))
+    read, problems = problems_of(f"reading {source}", lambda: _read(source, weights, with_config))
     view = read.view if read else LocalView(source, None, problems=problems)
     try:
         agreed = share_index(view, refused)
@@ -134,17 +165,19 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: s
     (trainable parameters as fp32 masters, frozen ones as stored, floating buffers as float32);
     ``"module"``: every tensor in the module's dtype, the engine's own 16-bit weights. Tied
     weights once, under the name DeepSpeed stored. The ``config.json`` beside the tag folder (an
-    HF Trainer's ``checkpoint-N/``) is copied. Streamed in pieces of at most ``staging_bytes``
-    in all, whatever the model's size. Under torch.distributed every rank must call it and each
-    writes a share (rank 0 all of it when the ranks do not share ``out``'s filesystem); a problem
-    on any rank raises the same error on every rank, leaving ``out`` as it was. ``progress``: a
-    bar on rank 0 (None: only on a terminal).
+    HF Trainer's ``checkpoint-N/``) is copied, unless it leads out of that folder (a link), is no
+    regular file or is not JSON: then it is left out with a ``ZloadWarning``. Streamed in pieces
+    of at most ``staging_bytes`` in all, whatever the model's size. Under torch.distributed every
+    rank must call it and each writes a share (rank 0 all of it when the ranks do not share
+    ``out``'s filesystem); a problem on any rank raises the same error on every rank, leaving
+    ``out`` as it was (a ``WriteError`` where writing failed: a full disk, a spent quota).
+    ``progress``: a bar on rank 0 (None: only on a terminal).
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
     source, final = os.fspath(checkpoint), os.path.abspath(os.fspath(out))
     with stage(f"reading {source}", "Nothing was written."):
-        read = _read_agreed(source, weights)
+        read = _read_agreed(source, weights, with_config=rank == 0)  # rank 0 publishes the configs
     entries = [entry for entry, _ in read.tensors]
 
     def write(plan, staging: str, shared: bool, failed: str) -> int:
@@ -159,15 +192,15 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: s
 
     def write_config(plan, folder: str) -> None:
         if read.config is not None:
-            with open(os.path.join(folder, CONFIG), "wb") as copy:
-                copy.write(pread_exactly(read.config, read.config.identity.size, 0))
+            with writing(os.path.join(folder, CONFIG)), open(os.path.join(folder, CONFIG), "wb") as copy:
+                copy.write(read.config)
 
     try:
         plan, written, notes = write_checkpoint(final, lambda: _plan(read.tensors, max_shard_size), write,
                                                 write_config, None)
     finally:
         read.view.close()
-    for note in notes:  # point at the caller's convert() line
+    for note in read.notes + notes:  # point at the caller's convert() line
         warnings.warn(note, ZloadWarning, stacklevel=3)
     return SaveReport(final, [f.name for f in plan.files], sum(f.size for f in plan.files), written, [],
                       time.perf_counter() - started)

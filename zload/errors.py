@@ -86,3 +86,19 @@ class PeerLostError(ZloadError):
     @property
     def fields(self) -> dict:
         return {**super().fields, "stage": self.stage}
+
+
+class WriteError(ZloadError, OSError):
+    """Writing a file of a save or conversion failed: its filesystem is full (``errno`` ENOSPC),
+    the disk quota is spent (EDQUOT), the file is larger than the filesystem or the process allows
+    (EFBIG), or another error of the operating system (its ``errno``). ``path`` is the file or
+    folder being written; the message says what state the output folder is left in and what to do.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None, **fields):
+        super().__init__(message, **fields)
+        self.errno = errno
+
+    @property
+    def fields(self) -> dict:
+        return {**super().fields, "errno": self.errno}

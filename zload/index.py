@@ -267,14 +267,20 @@ def read_json_file(path: str) -> object:
     checkpoint file is (regular files only, never blocking), its size and nesting bounded; an
     ``InvalidCheckpointError`` naming the file otherwise."""
     with FileTable() as table:
-        opened = table.add(open_regular(path), path)
-        if opened.identity.size > MAX_INDEX_BYTES:
-            raise InvalidCheckpointError(f"{path}: {opened.identity.size} bytes, over the {MAX_INDEX_BYTES}-byte "
-                                         "limit zload sets for a JSON file", path=path)
-        data = pread_exactly(opened, opened.identity.size, 0)
+        return read_json(table.add(open_regular(path), path))[0]
+
+
+def read_json(opened: OpenFile) -> tuple[object, bytes]:
+    """The JSON document in the small file ``opened`` and its bytes, as ``read_json_file`` reads
+    them: what a caller copies is then the very bytes checked."""
+    path = opened.path
+    if opened.identity.size > MAX_INDEX_BYTES:
+        raise InvalidCheckpointError(f"{path}: {opened.identity.size} bytes, over the {MAX_INDEX_BYTES}-byte "
+                                     "limit zload sets for a JSON file", path=path)
+    data = pread_exactly(opened, opened.identity.size, 0)
     try:
         try:
-            return _nesting_checked(json.loads(data.decode("utf-8")), "the document")
+            return _nesting_checked(json.loads(data.decode("utf-8")), "the document"), data
         except RecursionError:
             raise ValueError(f"the document nests more than {MAX_JSON_DEPTH} levels deep") from None
     except ValueError as e:  # UnicodeDecodeError and json.JSONDecodeError are ValueErrors

@@ -34,8 +34,9 @@ import re
 import shutil
 import socket
 import stat
+from contextlib import contextmanager
 
-from .errors import ZloadError
+from .errors import WriteError, ZloadError
 from .files import FileTable, open_regular
 from .index import MAX_INDEX_BYTES, read_weight_map, shard_path
 
@@ -59,22 +60,52 @@ def shard_name(single: str, k: int, count: int, tag: str = "") -> str:
     return f"{stem}{'-' + tag if tag else ''}-{k + 1:05d}-of-{count:05d}.safetensors"
 
 
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+# why writing failed, and what to do, for the errors a user can do something about
+_WRITE_ERRORS = {
+    errno.ENOSPC: ("no space left on its filesystem (ENOSPC)", "free space there (until the new files take "
+                   "the place of a checkpoint already there, both need room), or write elsewhere"),
+    errno.EDQUOT: ("the disk quota is exceeded (EDQUOT)", "free space within the quota (until the new files "
+                   "take the place of a checkpoint already there, both count), or write elsewhere"),
+    errno.EFBIG: ("the file would be larger than its filesystem or this process (ulimit -f) allows (EFBIG)",
+                  "write smaller shards (max_shard_size), or elsewhere"),
+    errno.EROFS: ("its filesystem is read-only (EROFS)", "write elsewhere"),
+    errno.EACCES: ("permission denied (EACCES)", "write to a folder you may write in"),
+}
+
+
+@contextmanager
+def writing(path: str):
+    """Around writing ``path``, a file or folder of a save: an ``OSError`` (a full disk, a spent
+    quota) is the environment's, not a bug: it becomes a ``WriteError`` that names ``path`` and
+    says what to do (the caller's error says what state the folder is left in)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        yield
+    except WriteError:
+        raise
+    except OSError as e:
+        why, advice = _WRITE_ERRORS.get(e.errno) or (
+            f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})", "fix that, or write elsewhere")
+        raise WriteError(f"cannot write {path}: {why}; {advice}", path=path, errno=e.errno) from e
+
+
+def _fsync_dir(folder: str) -> None:
+    with writing(folder):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _write_json(path: str, content) -> None:
     """Write, fsync and rename into place: the file is whole or absent."""
-    with open(path + ".partial", "w") as out:
-        json.dump(content, out, indent=2, sort_keys=True)
-        out.write("\n")
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(path + ".partial", path)
+    with writing(path):
+        with open(path + ".partial", "w") as out:
+            json.dump(content, out, indent=2, sort_keys=True)
+            out.write("\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(path + ".partial", path)
 
 
 def _read_json(path: str):
@@ -228,14 +259,16 @@ class SaveFolder:
             missing.append(folder)
             folder = os.path.dirname(folder)
         for folder in reversed(missing):
-            os.mkdir(folder)
+            with writing(folder):
+                os.mkdir(folder)
             self.created.append(folder)
-        os.mkdir(self.staging)
-        self._lock_fd = os.open(os.path.join(self.staging, LOCK),
-                                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        _try_lock(self._lock_fd)
-        os.write(self._lock_fd, f"{self.token}\npid {os.getpid()} on {socket.gethostname()}\n".encode())
-        os.fsync(self._lock_fd)
+        with writing(self.staging):
+            os.mkdir(self.staging)
+            self._lock_fd = os.open(os.path.join(self.staging, LOCK),
+                                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            _try_lock(self._lock_fd)
+            os.write(self._lock_fd, f"{self.token}\npid {os.getpid()} on {socket.gethostname()}\n".encode())
+            os.fsync(self._lock_fd)
         self._refuse_if_another_save_runs()
 
     def _refuse_if_another_save_runs(self) -> None:
@@ -294,14 +327,16 @@ class SaveFolder:
     def _move_in(self, names: dict[str, str]) -> None:
         """Rename staged files (staging name -> name in the folder) into the folder."""
         for name, target in names.items():
-            os.replace(os.path.join(self.staging, name), os.path.join(self.final, target))
+            with writing(os.path.join(self.final, target)):
+                os.replace(os.path.join(self.staging, name), os.path.join(self.final, target))
             self.moved.append(target)
         _fsync_dir(self.final)
 
     def _commit(self, single: str, name: str) -> None:
         """The commit point: the index (or single file) replaces the old one in one rename, and a
         single file that would hide a new index is removed."""
-        os.replace(os.path.join(self.staging, name), os.path.join(self.final, name))
+        with writing(os.path.join(self.final, name)):
+            os.replace(os.path.join(self.staging, name), os.path.join(self.final, name))
         self.moved.append(name)
         if name != single and os.path.lexists(os.path.join(self.final, single)):
             _remove(self.final, {single: None})

@@ -46,7 +46,8 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     master weights of trainable parameters. ``shared_filesystem=None`` detects whether all ranks
     see the same folder; if not, ranks stream their slices to rank 0. Must be called by every rank.
     Only zload's own files in ``path`` are written or removed (see ``zload.savedir``); a checkpoint
-    already there is replaced only once every rank has succeeded, in one rename.
+    already there is replaced only once every rank has succeeded, in one rename; a write that fails
+    (a full disk, a spent quota) raises a ``WriteError`` naming the file on every rank.
     ``buffer_bytes`` is the former name of ``staging_bytes`` (as ``load_into`` calls it).
     """
     if buffer_bytes is not None:

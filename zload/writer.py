@@ -20,7 +20,7 @@ import torch
 from .digest import block_count, block_digests, data_digest
 from .distributed import (BATCH_FAILED, BATCH_OK, Problem, agree, collective, comm_device, exchange, problems_of,
                           rank_and_world)
-from .errors import ZloadError
+from .errors import WriteError, ZloadError
 from .execute import byte_view, execute, reader_count
 from .files import FileTable
 from .index import DTYPES, TensorEntry
@@ -29,7 +29,7 @@ from .integrations.transformers import revert_conversion
 from .plan import ALIGN, ReadItem, align, staging_batches
 from .progress import Progress
 from .save_plan import OutFile, WriteItem
-from .savedir import SaveFolder
+from .savedir import SaveFolder, writing
 from .targets import ORPHAN, PARTITION, Target
 
 
@@ -64,22 +64,33 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 class _Files:
-    """Open shard files for writing, fsynced when closed."""
+    """Open shard files for writing, fsynced when closed; an ``OSError`` (a full disk) is a
+    ``WriteError`` naming the file."""
 
     def __init__(self, folder: str):
         self.folder, self.fds = folder, {}
 
-    def fd(self, name: str) -> int:
-        if name not in self.fds:
-            self.fds[name] = os.open(os.path.join(self.folder, name), os.O_WRONLY)
-        return self.fds[name]
+    def write(self, name: str, data: memoryview, offset: int) -> None:
+        with writing(os.path.join(self.folder, name)):
+            if name not in self.fds:
+                self.fds[name] = os.open(os.path.join(self.folder, name), os.O_WRONLY)
+            _pwrite_all(self.fds[name], data, offset)
 
     def close(self, sync: bool) -> None:
-        for fd in self.fds.values():
-            if sync:
-                os.fsync(fd)
-            os.close(fd)
-        self.fds = {}
+        """Close every file, fsynced first with ``sync``; raises the first failure once all are closed."""
+        fds, self.fds = self.fds, {}
+        failure = None
+        for name, fd in fds.items():
+            try:
+                if sync:
+                    with writing(os.path.join(self.folder, name)):
+                        os.fsync(fd)
+            except WriteError as e:
+                failure = failure or e
+            finally:
+                os.close(fd)
+        if failure is not None:
+            raise failure
 
 
 def write_local(items, sources, folder: str, staging_bytes: int) -> int:
@@ -88,7 +99,7 @@ def write_local(items, sources, folder: str, staging_bytes: int) -> int:
     try:
         for item in items:
             for offset, data in _chunks(item, sources[item.target], staging_bytes):
-                _pwrite_all(files.fd(item.file), data, offset)
+                files.write(item.file, data, offset)
                 written += len(data)
     finally:
         files.close(sync=True)
@@ -204,7 +215,7 @@ def _pack(batch: list[tuple[int, WriteItem]], sources, payload: torch.Tensor) ->
 def _write_batch(files: _Files, batch, data: torch.Tensor) -> None:
     view = byte_view(data)
     for at, file, offset, nbytes in batch:
-        _pwrite_all(files.fd(file), view[at:at + nbytes], offset)
+        files.write(file, view[at:at + nbytes], offset)
 
 
 def write_converted(module, targets: list[Target], files: list[OutFile], folder: str,
@@ -236,11 +247,12 @@ def write_converted(module, targets: list[Target], files: list[OutFile], folder:
                         for name, (file, tensor, position) in placed.items():
                             if tensor.built_from == group:
                                 data = converted[name].to(getattr(torch, tensor.dtype)).contiguous()
-                                _pwrite_all(out.fd(file), memoryview(data.view(torch.uint8).numpy()),
-                                            position)
+                                out.write(file, memoryview(data.view(torch.uint8).numpy()), position)
                                 written += tensor.nbytes
                     finally:
                         out.close(sync=True)
+                except ZloadError as e:
+                    problems.append(Problem.of(e))
                 except Exception as e:
                     problems.append(Problem(ZloadError, f"converting {[targets[i].name for i in group]} "
                                                         f"for saving failed: {type(e).__name__}: {e}"))
@@ -271,7 +283,7 @@ def sees(lock: str, token: str) -> bool:
 
 def create_files(files: list[OutFile], folder: str) -> None:
     for f in files:
-        with open(os.path.join(folder, f.name), "wb") as out:
+        with writing(os.path.join(folder, f.name)), open(os.path.join(folder, f.name), "wb") as out:
             out.write(f.header)
             out.truncate(f.size)
 
@@ -300,15 +312,14 @@ def record_digests(files: list[OutFile], folder: str, writers: int, failed: str)
         gathered.update(part)
 
     def record():
-        for f in files:
-            count = block_count(len(f.header), f.size)
-            digest = data_digest({k: gathered[(f.name, k)] for k in range(count)}, count)
-            fd = os.open(os.path.join(folder, f.name), os.O_WRONLY)
-            try:
-                _pwrite_all(fd, memoryview(digest.encode()), f.digest_at)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        out = _Files(folder)
+        try:
+            for f in files:
+                count = block_count(len(f.header), f.size)
+                digest = data_digest({k: gathered[(f.name, k)] for k in range(count)}, count)
+                out.write(f.name, memoryview(digest.encode()), f.digest_at)
+        finally:
+            out.close(sync=True)
 
     _, problems = problems_of("recording the digests", lambda: rank == 0 and record())
     agree(problems, failed)
@@ -329,20 +340,24 @@ def write_model_configs(module, folder: str) -> None:
 def _stage_configs(write_configs, folder: str) -> list[str]:
     """The configs ``write_configs(folder)`` writes into ``folder``, made durable; their names."""
     before = set(os.listdir(folder))
-    write_configs(folder)
+    with writing(folder):
+        write_configs(folder)
     written = sorted(set(os.listdir(folder)) - before)
     for name in written:
-        with open(os.path.join(folder, name), "rb+") as f:
-            os.fsync(f.fileno())
+        _fsync(os.path.join(folder, name))
     return written
+
+
+def _fsync(path: str) -> None:
+    with writing(path), open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def publish(folder: SaveFolder, single: str, files: list[OutFile], write_configs) -> None:
     """Rank 0: configs staged (``write_configs(staging folder)`` writes them), the new checkpoint
     committed, then the leftovers of killed saves and this save's staging folder removed."""
     for f in files:
-        with open(os.path.join(folder.staging, f.name), "rb+") as out:
-            os.fsync(out.fileno())
+        _fsync(os.path.join(folder.staging, f.name))
     configs = _stage_configs(write_configs, folder.staging)
     index = None
     if len(files) > 1:
