@@ -15,9 +15,13 @@ onto the meta device: no tensor data is read, and torch records where each stora
 (DeepSpeed's loss scaler, a trainer's client state, a hostile ``builtins.eval``) becomes an inert
 stand-in, so nothing in a checkpoint runs: where zload reads nothing from it the load goes on,
 where it reads (a stand-in in place of a dict or tensor) the file is refused. torch refuses names
-from ``os``, ``posix``, ``nt`` and ``sys`` outright, so a file naming them is refused. Each storage must start a stored (uncompressed) record of the archive, of its
-size, inside the file, before its bytes are indexed. The geometry is DeepSpeed's own, as
-``deepspeed/utils/zero_to_fp32.py`` (0.19.8) rebuilds it, checked against the sizes found.
+from ``os``, ``posix``, ``nt`` and ``sys`` outright, so a file naming them is refused. Before torch
+runs a pickle, a walk of its opcodes (``check_pickle``) refuses one that could take too long,
+nest deeper than zload's own walks recurse, or make the calls torch allows allocate more than
+the pickle's size (``bytearray(1 << 30)`` is 20 bytes). Each storage must start a stored
+(uncompressed) record of the archive, of its size, inside the file, before its bytes are
+indexed. The geometry is DeepSpeed's own, as ``deepspeed/utils/zero_to_fp32.py`` (0.19.8)
+rebuilds it, checked against the sizes found.
 """
 
 from __future__ import annotations
@@ -85,52 +89,211 @@ def _refusal(e: Exception) -> str:
 
 
 _MAX_PICKLE_NODES = 10_000_000  # a DeepSpeed pickle holds thousands; shared references count each time
-_IN_PLACE = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}  # grow the object below
+_MAX_PICKLE_DEPTH = 100  # DeepSpeed's saves nest 9 levels; zload's walks of what it unpickles recurse
+# the opcodes torch's weights_only unpickler runs; it refuses any other before running it
+_TORCH_OPCODES = frozenset({
+    "PROTO", "STOP", "MARK", "GLOBAL", "REDUCE", "NEWOBJ", "BUILD", "BINPERSID", "APPEND", "APPENDS", "SETITEM",
+    "SETITEMS", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET",
+    "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE",
+    "SHORT_BINSTRING", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
+_COPIES = frozenset({"builtins.set", "collections.OrderedDict", "collections.Counter", "torch.Size"})
+_ENCODINGS = frozenset({"latin1", "latin_1", "utf_8", "utf8", "ascii"})  # none makes more bytes than UTF-8 does
+_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"  # calls the function the pickle passes it
 
 
-def check_expansion(data: bytes) -> None:
-    """Raise ``ValueError`` if unpickling ``data`` would build an object of more than
-    ``_MAX_PICKLE_NODES`` parts, shared references counted each time they are used.
+class _Node:
+    """What the walk knows of one object the unpickler would build."""
 
-    A few hundred bytes of pickle can reuse memoised objects to build a nest whose hashing (a
-    dict key) or printing takes 2**depth steps inside C code, where no signal interrupts it. This
-    walks the opcodes once, keeping for each object on the unpickler's stack (and in its memo)
-    how many parts it holds, without building anything.
-    """
-    import pickletools
+    __slots__ = ("parts", "depth", "size", "value", "items", "name", "made_by", "inside")
 
-    stack: list[list[int]] = []  # one mutable count per object: the memo and the stack share them
-    marks: list[int] = []
-    memo: dict = {}
-    try:
-        for op, arg, position in pickletools.genops(data):
-            name = op.name
+    def __init__(self, parts: int = 1, depth: int = 0, size: int | None = 0, value=None, items=None,
+                 name: str | None = None, made_by: str | None = None):
+        self.parts, self.depth = parts, depth  # its parts, shared ones counted each time; its nesting
+        self.size = size  # its items or bytes; None: built by a call, of a size the walk does not know
+        self.value = value  # an int's value, a short str's text
+        self.items = items  # a tuple's nodes
+        self.name = name  # the global it is
+        self.made_by = made_by  # the global whose call built it
+        self.inside = False  # placed inside another object: changing it now would leave that one's counts stale
+
+
+class _PickleWalk:
+    """Walks a pickle's opcodes as torch's weights_only unpickler would run them, building
+    nothing, and raises ``ValueError`` where running them could take too long (a nest whose
+    hashing or printing takes 2**depth steps: shared references counted each time), nest too
+    deep for a recursive walk, or allocate more than the pickle's own size: ``bytearray(1 << 30)``
+    is 20 bytes of pickle, ``_codecs.encode(x, 'hex')`` doubles ``x``, ``torch.Tensor(n)`` and the
+    storage classes allocate ``n``, ``set(t)`` iterates a tensor of any size, and
+    ``_rebuild_from_type_v2`` calls what it is passed. ``stand_ins``: the globals unpickled as
+    zload's inert stand-ins, which keep what they are given and run nothing."""
+
+    def __init__(self, data: bytes, stand_ins: frozenset[str]):
+        import torch
+
+        self.data, self.stand_ins = data, stand_ins
+        self.constructors = frozenset(["torch.Tensor"] + [f"{c.__module__}.{c.__name__}" for c in (
+            *torch._tensor_classes, *torch._storage_classes)])
+        self.built = 0  # bytes or items that calls allocate beyond what the pickle spells out
+
+    def run(self) -> None:
+        import pickletools
+
+        stack: list[_Node] = []
+        marks: list[int] = []
+        memo: dict[int, _Node] = {}
+        for op, arg, position in pickletools.genops(self.data):
+            name, self.where = op.name, f"opcode {op.name} at byte {position}"
+            if name not in _TORCH_OPCODES or name == "STOP":
+                return  # torch refuses an opcode it does not know before running it
             if name == "MARK":
                 marks.append(len(stack))
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-                memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
+            elif name in ("BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1]
+            elif name in ("BINGET", "LONG_BINGET"):
                 stack.append(memo[arg])
-            elif name == "STOP":
-                return
-            else:
-                popped: list[list[int]] = []
-                for kind in reversed(op.stack_before):
-                    if kind is pickletools.markobject:
-                        start = marks.pop()
-                        popped[:0] = stack[start:]
-                        del stack[start:]
-                    elif kind is not pickletools.stackslice:  # a slice goes with its mark
-                        popped.insert(0, stack.pop())
-                if name in _IN_PLACE:
-                    popped[0][0] += sum(c[0] for c in popped[1:])
-                    counts = popped[:1]
+            elif name == "GLOBAL":
+                stack.append(_Node(name=self._global(position)))
+            elif name in ("BININT", "BININT1", "BININT2", "LONG1"):
+                stack.append(_Node(value=arg))
+            elif name in ("NONE", "NEWTRUE", "NEWFALSE", "BINFLOAT", "PROTO"):
+                if name != "PROTO":
+                    stack.append(_Node())
+            elif name == "BINUNICODE":
+                size = len(arg.encode("utf-8", "surrogatepass"))
+                stack.append(_Node(size=size, value=arg if size < 64 else None))
+            elif name == "SHORT_BINSTRING":
+                stack.append(_Node(size=len(arg)))
+            elif name in ("EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
+                stack.append(_Node(items=[] if name == "EMPTY_TUPLE" else None))
+            elif name in ("TUPLE", "APPENDS", "SETITEMS"):
+                start = marks.pop()
+                items = stack[start:]
+                del stack[start:]
+                if name == "TUPLE":
+                    stack.append(self._holding(items, items=items))
                 else:
-                    counts = [[1 + sum(c[0] for c in popped)] for _ in op.stack_after]
-                if any(c[0] > _MAX_PICKLE_NODES for c in counts):
-                    raise ValueError(f"it would build an object of more than {_MAX_PICKLE_NODES:,} parts "
-                                     f"(opcode {name} at byte {position})")
-                stack.extend(counts)
+                    self._grow(stack[-1], items, name)
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                count = int(name[-1])
+                if len(stack) < count:
+                    raise IndexError("stack underflow")
+                items = stack[-count:]
+                del stack[-count:]
+                stack.append(self._holding(items, items=items))
+            elif name in ("APPEND", "SETITEM", "BUILD"):
+                items = [stack.pop()] if name != "SETITEM" else [stack.pop(-2), stack.pop()]
+                self._grow(stack[-1], items, name)
+            elif name == "BINPERSID":  # a storage, on the meta device
+                stack.append(self._holding([stack.pop()], size=None))
+            else:  # REDUCE, NEWOBJ
+                args = stack.pop()
+                stack.append(self._call(stack.pop(), args, name))
+
+    def refuse(self, why: str):
+        raise ValueError(f"{why} ({self.where})")
+
+    def _global(self, position: int) -> str:
+        """The name torch reads for a GLOBAL opcode (two lines, mapped from Python 2's names)."""
+        from torch._utils import IMPORT_MAPPING, NAME_MAPPING
+
+        first = self.data.index(b"\n", position + 1)
+        module = self.data[position + 1:first].decode("utf-8")
+        name = self.data[first + 1:self.data.index(b"\n", first + 1)].decode("utf-8")
+        module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
+        return f"{module}.{name}"
+
+    def _holding(self, parts: list[_Node], **fields) -> _Node:
+        """A new object made of ``parts``, which are then inside it."""
+        for part in parts:
+            part.inside = True
+        node = _Node(parts=1 + sum(p.parts for p in parts), depth=1 + max((p.depth for p in parts), default=0),
+                     **{"size": len(parts), **fields})
+        self._check(node)
+        return node
+
+    def _check(self, node: _Node) -> None:
+        if node.parts > _MAX_PICKLE_NODES:
+            self.refuse(f"it would build an object of more than {_MAX_PICKLE_NODES:,} parts")
+        if node.depth > _MAX_PICKLE_DEPTH:
+            self.refuse(f"it nests objects more than {_MAX_PICKLE_DEPTH} deep")
+
+    def _grow(self, target: _Node, items: list[_Node], op: str) -> None:
+        if target in items:
+            self.refuse("it places an object inside itself")
+        if target.inside:  # only a reference cycle, or a crafted pickle, changes an object it already placed
+            self.refuse("it changes an object after placing it inside another")
+        if op == "BUILD" and target.made_by not in self.stand_ins and items[0].size is None:
+            self.refuse("it sets an object's state from one built by a call, which torch would iterate over "
+                        "whatever its size")
+        for item in items:
+            item.inside = True
+        target.parts += sum(i.parts for i in items)
+        target.depth = max(target.depth, 1 + max((i.depth for i in items), default=0))
+        if target.size is not None and op != "BUILD":
+            target.size += len(items) // (2 if op.startswith("SETITEM") else 1)
+        self._check(target)
+
+    def _call(self, callee: _Node, args: _Node, op: str) -> _Node:
+        """The object ``callee(*args)`` builds (``NEWOBJ``: ``callee.__new__(callee, *args)``)."""
+        return self._holding([callee, args], size=self._allocates(callee, args, op), made_by=callee.name)
+
+    def _allocates(self, callee: _Node, args: _Node, op: str) -> int | None:
+        """What calling ``callee`` with ``args`` allocates beyond its arguments (bytes or items,
+        counted against the pickle's size), when it builds a container or bytes; None when it
+        builds something else."""
+        name = callee.name
+        if args.items is None:
+            self.refuse(f"it calls {name or 'an object'} with arguments that are not a tuple (torch would iterate "
+                        "over them whatever their size)")
+        if name is None:
+            self.refuse("it calls an object that is not a global")
+        if name in self.constructors:
+            self.refuse(f"it calls {name}, which allocates the size it is given (torch.save writes tensors as "
+                        "storages, never as such calls)")
+        items, size = args.items, None
+        if name == _FROM_TYPE and op == "REDUCE" and len(items) == 4:
+            self._allocates(items[0], items[2], op)  # it calls items[0](*items[2])
+        elif name == "builtins.bytearray" and op == "REDUCE" and items:
+            if len(items) == 1 and isinstance(items[0].value, int):
+                size = max(items[0].value, 0)
+            else:
+                size = self._sized(items[0], name) if len(items) == 1 else self._encoded(items, name)
+        elif name == "_codecs.encode" and op == "REDUCE" and items:
+            size = self._encoded(items, name)
+        elif name in _COPIES and (op == "REDUCE" or name == "torch.Size"):  # the others' __new__ builds empty
+            size = self._sized(items[0], name) if items else 0
+        if size is not None:
+            self.built += size
+            if self.built > len(self.data):
+                self.refuse(f"it calls {name}, which would allocate {size:,} bytes or items ({self.built:,} by its "
+                            f"calls so far), more than the {len(self.data):,} bytes of the pickle itself")
+        return size
+
+    def _sized(self, node: _Node, name: str) -> int:
+        if node.size is None:
+            self.refuse(f"it calls {name} on an object built by a call, which torch would iterate over whatever "
+                        "its size")
+        return node.size
+
+    def _encoded(self, items: list[_Node], name: str) -> int:
+        """The bytes ``name(text, encoding, errors)`` makes: at most the UTF-8 of ``text`` for the
+        encodings torch.save writes ('latin1') and a few others; other codecs (and error handlers)
+        can make many bytes of few."""
+        encoding = items[1].value if len(items) > 1 else "utf_8"
+        errors = items[2].value if len(items) > 2 else "strict"
+        if not (isinstance(encoding, str) and encoding.lower().replace("-", "_") in _ENCODINGS
+                and errors == "strict" and len(items) <= 3):
+            self.refuse(f"it calls {name} with the encoding {brief(encoding)} and the errors {brief(errors)}, "
+                        "which torch.save never writes (a codec can make many bytes of few)")
+        return self._sized(items[0], name)
+
+
+def check_pickle(data: bytes, stand_ins: frozenset[str] = frozenset()) -> None:
+    """Raise ``ValueError`` if torch's weights_only unpickler, running ``data``, could take too
+    long, nest objects too deep, or allocate more than ``data``'s own size (``_PickleWalk``);
+    ``stand_ins``: the globals it would unpickle as zload's inert stand-ins."""
+    try:
+        _PickleWalk(data, stand_ins).run()
     except (IndexError, KeyError) as e:
         raise ValueError(f"a malformed pickle ({type(e).__name__} while walking its opcodes)") from e
 
@@ -191,15 +354,21 @@ class _PtFile:
                 self.records[self._data_offset(info)] = info
                 digest.update(repr((info.filename, info.header_offset, info.file_size)).encode())
             try:
-                check_expansion(pickled)
                 f.seek(0)
                 unknown = torch.serialization.get_unsafe_globals_in_checkpoint(f)
+                try:
+                    check_pickle(pickled, frozenset(unknown) - {_STAGE_ENUM})
+                except ValueError as e:
+                    raise self.invalid(f"its pickle is refused before unpickling: {e}; replace the file with an "
+                                       "intact copy of the save") from e
                 stand_ins = [(int if name == _STAGE_ENUM else _Inert, name) for name in unknown]
                 f.seek(0)
                 with torch.serialization.safe_globals(stand_ins):
                     self.state = torch.load(f, map_location="meta", weights_only=True)
                 if not isinstance(self.state, dict):
                     raise ValueError(f"it holds {type(self.state).__name__}, not a dict")
+            except InvalidCheckpointError:
+                raise
             except Exception as e:  # torch raises many kinds for a bad archive or pickle
                 raise self.invalid(f"cannot be unpickled with weights_only=True ({type(e).__name__}: "
                                    f"{_refusal(e)}); DeepSpeed's own saves can be: replace the file with an "
