@@ -649,3 +649,119 @@ def test_a_value_nested_150000_deep(ckpt):
     kind, message, error_path, _ = refused(ckpt.folder)
     assert kind == "InvalidCheckpointError" and error_path == str(path)
     assert f"{path}: its pickle is refused before unpickling: it nests objects more than 100 deep" in message
+
+
+# --------------------------------------------------------------------------------------------
+# files of two runs, or of two steps
+
+
+def test_a_rank_optimizer_file_of_another_run_at_another_step(ckpt, native_checkpoint, tmp_path):
+    """Rank 1's optimizer states from another run (another seed), two steps in: the same sizes,
+    other weights. Refused by load and convert, naming both files and both step counts."""
+    other = native_checkpoint(world=2, stage=3, dtype="bf16", seed=1, steps=2)
+    shutil.copy(optim(other, 1), optim(ckpt, 1))
+    kind, message, path, _ = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and path == str(optim(ckpt, 1))
+    assert (f"{optim(ckpt, 1)}: the base optimizer's step count is 2 here, but 1 in {optim(ckpt, 0).name}: the "
+            "ranks' optimizer states are of different steps or saves; copy the save again") in message
+    with pytest.raises(zload.InvalidCheckpointError, match="step count is 2 here"):
+        zload.convert(ckpt.folder, tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
+
+
+def _copy_save(case, to: Path) -> NativeCheckpoint:
+    folder = shutil.copytree(case.folder, to)
+    return NativeCheckpoint(folder, folder / case.tag_folder.name)
+
+
+def test_zero2_model_states_of_an_earlier_step(native_checkpoint, tmp_path):
+    """ZeRO-2 writes one model-states file: from step 1 into a save of step 2, its global_steps
+    allows fewer optimizer steps than the optimizer states record."""
+    ckpt = _copy_save(native_checkpoint(world=2, stage=2, dtype="bf16", steps=2), tmp_path / "ckpt")
+    earlier = native_checkpoint(world=2, stage=2, dtype="bf16")
+    model = ckpt.tag_folder / "mp_rank_00_model_states.pt"
+    shutil.copy(earlier.tag_folder / model.name, model)
+    kind, message, path, _ = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and path == str(model)
+    assert (f"{model}: global_steps is 1 and skipped_steps 0 here, so the optimizer stepped at most 1 times, but the "
+            f"base optimizer in {optim(ckpt, 0).name} has taken 2 steps: model states of an earlier step") in message
+    with pytest.raises(zload.InvalidCheckpointError, match="model states of an earlier step"):
+        zload.convert(ckpt.folder, tmp_path / "converted")
+
+
+GENUINE_STEPS = {
+    # fp16 overflows: global_steps counts the skipped step, the optimizer's step count does not
+    "z3-fp16-skipped": dict(world=2, stage=3, dtype="fp16", steps=2, overflow_steps=1),
+    "z2-fp16-skipped": dict(world=2, stage=2, dtype="fp16", steps=2, overflow_steps=1),
+    # saved before any step: the optimizer records no step count
+    "z3-bf16-no-step": dict(world=2, stage=3, dtype="bf16", steps=0),
+    "z2-bf16-no-step": dict(world=2, stage=2, dtype="bf16", steps=0),
+    # resumed without the optimizer states: the optimizer counts 1 step, global_steps 3
+    "z3-bf16-restarted": dict(world=2, stage=3, dtype="bf16", steps=3, restart_optimizer_after=2),
+    "z2-bf16-restarted": dict(world=2, stage=2, dtype="bf16", steps=3, restart_optimizer_after=2),
+}
+
+
+@pytest.mark.parametrize("name", GENUINE_STEPS)
+def test_genuine_saves_whose_step_counts_differ_load(native_checkpoint, name):
+    """The control for the checks above (every other kind of save: tests/test_native_load.py):
+    what DeepSpeed writes loads, bit for bit as its own reader rebuilds it."""
+    from .native_checkpoints import deepspeed_reference
+
+    case = native_checkpoint(**GENUINE_STEPS[name])
+    loaded(case.folder, deepspeed_reference(case.folder))
+
+
+# --------------------------------------------------------------------------------------------
+# shapes the model states lie about: the error names the tensor at fault where the files tell
+
+
+_LYING = "model.layers.0.self_attn.q_proj.weight"  # (24, 24), said to be (24, 25)
+
+
+def _lie_about_a_shape(state):
+    state["param_shapes"][0][_LYING] = torch.Size([24, 25])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_shape_one_ranks_model_states_lie_about(ckpt, rank):
+    """ZeRO-3 writes param_shapes into every rank's model states; the file whose shapes do not
+    fit the fp32 flat groups is the one at fault, whichever rank's it is."""
+    _resave(model_states(ckpt, rank), _lie_about_a_shape)
+    kind, message, path, tensor = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and path == str(model_states(ckpt, rank)) and tensor == _LYING
+    assert (f"{model_states(ckpt, rank)}: param_shapes[0]['{_LYING}'] is torch.Size([24, 25]) here, but "
+            f"torch.Size([24, 24]) in {model_states(ckpt, 1 - rank).name}, whose shapes fit the sizes of the fp32 "
+            "flat groups (these do not)") in message
+
+
+def test_a_shape_every_ranks_model_states_lie_about(ckpt):
+    """Every rank's param_shapes agree on the lie: ZeRO-3 records no size per trainable
+    parameter, so the error names the group's parameters as candidates, not the last one."""
+    for rank in (0, 1):
+        _resave(model_states(ckpt, rank), _lie_about_a_shape)
+    kind, message, path, tensor = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and path == str(ckpt.tag_folder) and tensor is None
+    assert ("the shapes param_shapes gives group 0's 17 trainable parameters ('model.embed_tokens.weight' to "
+            "'model.norm.weight') take 3120 elements on each rank, but its fp32 flat group holds 3108") in message
+    assert "the files do not record which" in message and "lie inside" not in message
+
+
+@pytest.mark.parametrize("lie", ["param_shapes", "param_shapes and module"])
+def test_a_shape_zero2_model_states_lie_about(native_checkpoint, tmp_path, lie):
+    """ZeRO-2's model states hold the module's weights whole, and each rank's optimizer states
+    the elements of each parameter in its partition (param_slice_mappings): either pins the
+    tensor whose shape param_shapes lies about."""
+    ckpt = _copy_save(native_checkpoint(world=2, stage=2, dtype="bf16"), tmp_path / "ckpt")
+
+    def change(state):
+        _lie_about_a_shape(state)
+        if lie != "param_shapes":
+            state["module"][_LYING] = torch.zeros(24, 25, dtype=torch.bfloat16)
+
+    _resave(ckpt.tag_folder / "mp_rank_00_model_states.pt", change)
+    kind, message, _, _ = refused(ckpt.folder)
+    why = ("the module holds it as (24, 24) (mp_rank_00_model_states.pt)" if lie == "param_shapes" else
+           "the optimizer states' param_slice_mappings place 576 of its elements in the ranks' fp32 partitions")
+    assert kind == "InvalidCheckpointError" and f"'{_LYING}': param_shapes gives the shape (24, 25)" in message
+    assert why in message and "'model.norm.weight'" not in message, message
