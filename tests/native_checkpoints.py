@@ -1,10 +1,11 @@
 """DeepSpeed's own checkpoints (``engine.save_checkpoint``) as fixtures for the tests of zload's
 reader of them, with what the live engine held when it wrote them.
 
-``make_native_checkpoint`` trains a tiny model for one real step in a world of real ranks and lets
-DeepSpeed write its checkpoint; the rank body also records, from the live engine, the whole
-module-dtype weights (``GatheredParameters``) and the fp32 masters (``safe_get_full_fp32_param``).
-Those go to a sibling folder, so the checkpoint folder holds only what DeepSpeed wrote.
+``make_native_checkpoint`` trains a tiny model for a real step (or several, or none, some of them
+skipped for an fp16 overflow) in a world of real ranks and lets DeepSpeed write its checkpoint;
+the rank body also records, from the live engine, the whole module-dtype weights
+(``GatheredParameters``) and the fp32 masters (``safe_get_full_fp32_param``). Those go to a
+sibling folder, so the checkpoint folder holds only what DeepSpeed wrote.
 ``deepspeed_reference`` is DeepSpeed's own offline reader of the same folder.
 """
 
@@ -29,7 +30,7 @@ LEARNING_RATE = 1e-2
 
 class NativeCase(NamedTuple):
     folder: Path  # what engine.save_checkpoint was given: holds `latest` and the tag folder
-    tag_folder: Path  # folder / "global_step1"
+    tag_folder: Path  # folder / f"global_step{steps}"
     world: int
     stage: int
     dtype: str  # "bf16", "fp16" or "fp32"
@@ -121,11 +122,38 @@ def fp16_capability_claimed():
         del accelerator.is_fp16_supported
 
 
-def _train_and_save_body(folder, expected, *, stage, dtype, frozen, tied, offload_optimizer,
-                         sub_group_size, model, seed):
-    """One real step of a tiny model, then ``engine.save_checkpoint(folder)``; rank 0 writes what
-    the live engine holds to ``expected``. Returns the tag DeepSpeed wrote."""
+def _engine(factory, is_frozen, config, stage: int, frozen: bool, seed: int):
+    """A DeepSpeed engine training the module ``factory`` builds (its ``is_frozen`` parameters
+    frozen if ``frozen``) with a new AdamW, and the module's parameter names, frozen names and
+    tied aliases."""
     import deepspeed
+
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            module = factory()
+    else:
+        module = factory()
+    randomize(module, seed)
+    names = [n for n, _ in module.named_parameters()]
+    canonical = {}  # parameter -> its first name, the one named_parameters() gives
+    for name, p in module.named_parameters(remove_duplicate=False):
+        canonical.setdefault(p, name)
+    aliases = {n: canonical[p] for n, p in module.named_parameters(remove_duplicate=False) if canonical[p] != n}
+    frozen_names = [n for n in names if frozen and is_frozen(n)]
+    for name, p in module.named_parameters():
+        p.requires_grad_(name not in frozen_names)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, config=config,
+                                      optimizer=torch.optim.AdamW(trainable, lr=LEARNING_RATE))
+    return engine, names, frozen_names, aliases
+
+
+def _train_and_save_body(folder, expected, *, stage, dtype, frozen, tied, offload_optimizer,
+                         sub_group_size, model, seed, steps, overflow_steps, restart_optimizer_after):
+    """``steps`` real steps of a tiny model (the first ``overflow_steps`` of them with gradients
+    that overflow, which DeepSpeed skips; after ``restart_optimizer_after`` of them, a save and a
+    resume from it without the optimizer states), then ``engine.save_checkpoint(folder)``; rank
+    0 writes what the live engine holds to ``expected``. Returns the tag DeepSpeed wrote."""
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -135,37 +163,29 @@ def _train_and_save_body(folder, expected, *, stage, dtype, frozen, tied, offloa
     torch.manual_seed(seed)
     capability = fp16_capability_claimed() if dtype == "fp16" else contextlib.nullcontext()
     with capability:
-        if stage == 3:
-            with deepspeed.zero.Init(config_dict_or_path=config):
-                module = factory()
-        else:
-            module = factory()
-        randomize(module, seed)
-        names = [n for n, _ in module.named_parameters()]
-        canonical = {}  # parameter -> its first name, the one named_parameters() gives
-        for name, p in module.named_parameters(remove_duplicate=False):
-            canonical.setdefault(p, name)
-        aliases = {n: canonical[p] for n, p in module.named_parameters(remove_duplicate=False)
-                   if canonical[p] != n}
-        frozen_names = [n for n in names if frozen and is_frozen(n)]
-        for name, p in module.named_parameters():
-            p.requires_grad_(name not in frozen_names)
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        engine, *_ = deepspeed.initialize(model=module, config=config,
-                                          optimizer=torch.optim.AdamW(trainable, lr=LEARNING_RATE))
+        engine, names, frozen_names, aliases = _engine(factory, is_frozen, config, stage, frozen, seed)
         assert bool(engine.zero_offload_optimizer()) == offload_optimizer
         before = full_state(engine.module)
-        ids = torch.randint(0, 53, (1, 8), generator=torch.Generator().manual_seed(seed + 1))
-        engine.backward(loss_of(engine, ids))
-        engine.step()
-        assert engine.skipped_steps == 0, "the step was skipped (fp16 loss scale overflow)"
+        for step in range(steps):
+            if step == restart_optimizer_after:  # as a new process resumes: a new engine, a new optimizer
+                resumed = f"{folder}-before-restart"
+                engine.save_checkpoint(resumed)
+                engine = _engine(factory, is_frozen, config, stage, frozen, seed)[0]
+                engine.load_checkpoint(resumed, load_optimizer_states=False)
+            ids = torch.randint(0, 53, (1, 8), generator=torch.Generator().manual_seed(seed + 1 + step))
+            loss = loss_of(engine, ids)
+            engine.backward(loss * float("inf") if step < overflow_steps else loss)
+            engine.step()
+        assert engine.skipped_steps == overflow_steps, "a step was skipped (fp16 loss scale overflow)"
+        assert engine.global_steps == steps
         engine.save_checkpoint(folder)
 
         masters = {}
         for name, p in engine.module.named_parameters():
             if p.requires_grad:
                 masters[name] = safe_get_full_fp32_param(p).detach().cpu().clone()  # a collective
-                assert not torch.equal(masters[name], before[name].float()), f"{name}: the step did nothing"
+                changed = not torch.equal(masters[name], before[name].float())
+                assert changed == (steps > overflow_steps), f"{name}: the steps did nothing, or a skipped one did"
         weights = full_state(engine.module)
 
     if dist.get_rank() == 0:
@@ -183,21 +203,30 @@ def _train_and_save_body(folder, expected, *, stage, dtype, frozen, tied, offloa
 def make_native_checkpoint(root: Path, *, world: int, stage: int, dtype: str, frozen: bool = True,
                            tied: bool = True, offload_optimizer: bool = False,
                            sub_group_size: int | None = None, model: str = "llama",
-                           seed: int = 0) -> NativeCase:
-    """DeepSpeed's checkpoint of a tiny model after one AdamW step, written into ``root`` by a
-    ``world``-rank engine, and the live engine's weights and masters (kept in
-    ``root.parent / f"{root.name}-expected"``)."""
+                           seed: int = 0, steps: int = 1, overflow_steps: int = 0,
+                           restart_optimizer_after: int | None = None) -> NativeCase:
+    """DeepSpeed's checkpoint of a tiny model after ``steps`` AdamW steps (none: the optimizer
+    has not stepped), the first ``overflow_steps`` of them skipped for an fp16 overflow, written
+    into ``root`` by a ``world``-rank engine, and the live engine's weights and masters (kept in
+    ``root.parent / f"{root.name}-expected"``). ``restart_optimizer_after``: that many steps in,
+    the run saves (beside ``root``) and resumes from that save without its optimizer states, so
+    the optimizer counts its steps from 0 again while the engine's ``global_steps`` goes on."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     if model not in MODELS:
         raise ValueError(f"model {model!r}: expected one of {sorted(MODELS)}")
     if sub_group_size is not None and stage != 3:
         raise ValueError("sub_group_size splits ZeRO-3's fp32 partitions only (stage 3)")
+    if overflow_steps and (dtype != "fp16" or overflow_steps > steps):
+        raise ValueError("overflow_steps: some of the steps, with fp16 (only its loss scaling skips steps)")
+    if restart_optimizer_after is not None and not 0 < restart_optimizer_after < steps:
+        raise ValueError("restart_optimizer_after: a number of steps between 0 and steps")
     root = Path(root)
     expected = root.parent / f"{root.name}-expected"
     tags = run_world(world, _train_and_save_body, str(root), str(expected), stage=stage, dtype=dtype,
                      frozen=frozen, tied=tied, offload_optimizer=offload_optimizer,
-                     sub_group_size=sub_group_size, model=model, seed=seed)
+                     sub_group_size=sub_group_size, model=model, seed=seed, steps=steps,
+                     overflow_steps=overflow_steps, restart_optimizer_after=restart_optimizer_after)
     names = json.loads((expected / "names.json").read_text())
     return NativeCase(folder=root, tag_folder=root / tags[0], world=world, stage=stage, dtype=dtype,
                       module_weights=load_file(expected / "module_weights.safetensors"),

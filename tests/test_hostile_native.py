@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import zipfile
@@ -492,3 +493,275 @@ def test_inspect_refuses_a_hostile_checkpoint(ckpt, capsys):
     assert cli(["inspect", str(ckpt.folder)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"zload: error: {ckpt.folder / 'latest'}: names the tag '../outside'")
+
+
+# --------------------------------------------------------------------------------------------
+# pickles whose unpickling would allocate, nest or iterate without bound
+
+
+def _global(name: str) -> bytes:
+    module, _, attribute = name.rpartition(".")
+    return pickle.GLOBAL + module.encode() + b"\n" + attribute.encode() + b"\n"
+
+
+def _int(n: int) -> bytes:
+    return pickle.BININT + n.to_bytes(4, "little", signed=True)
+
+
+# the storage of data/0, on the meta device, and a 2**30-element tensor over it
+_STORAGE = (pickle.MARK + _binunicode(b"storage") + _global("torch.FloatStorage") + _binunicode(b"0")
+            + _binunicode(b"cpu") + _int(4) + pickle.TUPLE + pickle.BINPERSID)
+_TENSOR = (_global("torch._utils._rebuild_tensor_v2") + pickle.MARK + _STORAGE + _int(0) + _int(1 << 30)
+           + pickle.TUPLE1 + _int(1) + pickle.TUPLE1 + pickle.NEWFALSE + _global("collections.OrderedDict")
+           + pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.TUPLE + pickle.REDUCE)
+_BYTEARRAY = _global("builtins.bytearray") + _int(1 << 30) + pickle.TUPLE1 + pickle.REDUCE  # 1 GiB of zeros
+
+
+def _hex_chain(times: int) -> bytes:
+    """``_codecs.encode`` applied ``times`` times with 'hex' to 2 bytes: 2**(times + 1) bytes."""
+    encode = _global("_codecs.encode") + pickle.BINPUT + b"\x00"
+    calls = pickle.BINGET + b"\x00"
+    return (encode + calls * times + _binunicode(b"ab") + _binunicode(b"latin1") + pickle.TUPLE2 + pickle.REDUCE
+            + (_binunicode(b"hex") + pickle.TUPLE2 + pickle.REDUCE) * times)
+
+
+_HOSTILE_PICKLES = {
+    # what torch's weights_only unpickler would allocate, from the pickle's few bytes
+    "bytearray(1 << 30)": (_BYTEARRAY, "calls builtins.bytearray, which would allocate 1,073,741,824 bytes"),
+    "encode 'hex' 27 times": (_hex_chain(27), "calls _codecs.encode with the encoding 'hex'"),
+    "torch.Tensor(1 << 28)": (_global("torch.Tensor") + _int(1 << 28) + pickle.TUPLE1 + pickle.REDUCE,
+                              "calls torch.Tensor, which allocates the size it is given"),
+    "torch.FloatTensor(1 << 28)": (_global("torch.FloatTensor") + _int(1 << 28) + pickle.TUPLE1 + pickle.REDUCE,
+                                   "calls torch.FloatTensor, which allocates"),
+    "UntypedStorage.__new__(1 << 30)": (_global("torch.storage.UntypedStorage") + _int(1 << 30) + pickle.TUPLE1
+                                        + pickle.NEWOBJ, "calls torch.storage.UntypedStorage, which allocates"),
+    "_rebuild_from_type_v2(bytearray, (1 << 30,))": (
+        _global("torch._tensor._rebuild_from_type_v2") + pickle.MARK + _global("builtins.bytearray")
+        + _global("builtins.bytearray") + _int(1 << 30) + pickle.TUPLE1 + pickle.EMPTY_DICT + pickle.TUPLE
+        + pickle.REDUCE, "calls builtins.bytearray, which would allocate 1,073,741,824 bytes"),
+    "set(a copy) 20 times": (pickle.EMPTY_LIST + pickle.BINPUT + b"\x00" + pickle.MARK + pickle.NONE * 1000
+                             + pickle.APPENDS + (_global("builtins.set") + pickle.BINGET + b"\x00" + pickle.TUPLE1
+                                                 + pickle.REDUCE) * 20,
+                             "calls builtins.set, which would allocate 1,000 bytes or items (2,000 by its calls"),
+    # what it would iterate over, whatever its size
+    "set(tensor)": (_global("builtins.set") + _TENSOR + pickle.TUPLE1 + pickle.REDUCE,
+                    "calls builtins.set on an object built by a call"),
+    "OrderedDict BUILD from a tensor": (_global("collections.OrderedDict") + pickle.EMPTY_TUPLE + pickle.REDUCE
+                                        + _TENSOR + pickle.BUILD, "sets an object's state from one built by a call"),
+    "bytearray(*tensor)": (_global("builtins.bytearray") + _TENSOR + pickle.REDUCE,
+                           "calls builtins.bytearray with arguments that are not a tuple"),
+    # nests that zload's walks of what it unpickles would recurse through
+    "a list 150,000 deep": (pickle.EMPTY_LIST * 150_000 + pickle.BININT1 + b"\x07" + pickle.APPEND * 150_000,
+                            "nests objects more than 100 deep"),
+    "a list inside itself": (pickle.EMPTY_LIST + pickle.BINPUT + b"\x00" + pickle.BINGET + b"\x00" + pickle.APPEND,
+                             "places an object inside itself"),
+    # lists 0 and 1, list 1 put in a tuple, then list 0 in list 1: the tuple's nesting changed after it was counted
+    "a list changed after it was placed": (
+        pickle.EMPTY_LIST + pickle.BINPUT + b"\x00" + pickle.EMPTY_LIST + pickle.BINPUT + b"\x01" + pickle.BINGET
+        + b"\x01" + pickle.TUPLE1 + pickle.BINGET + b"\x01" + pickle.BINGET + b"\x00" + pickle.APPEND,
+        "changes an object after placing it inside another"),
+}
+
+
+@pytest.mark.parametrize("case", _HOSTILE_PICKLES)
+def test_what_unpickling_could_allocate_is_bounded_by_the_pickle(case):
+    """The walk of a pickle's opcodes, before torch unpickles it, refuses every call torch's
+    weights_only unpickler allows that could allocate more than the pickle's own size, iterate
+    an object of any size, or nest objects deeper than zload's walks recurse."""
+    from zload.native import check_pickle
+
+    body, why = _HOSTILE_PICKLES[case]
+    with pytest.raises(ValueError, match=re.escape(why)):
+        check_pickle(pickle.PROTO + b"\x02" + body + pickle.STOP)
+
+
+def test_what_torch_save_writes_is_not_refused():
+    """bytes (written as ``_codecs.encode(text, 'latin1')``), bytearrays, sets, Counters,
+    OrderedDicts, shapes, tensors with attributes, parameters and shared objects."""
+    from collections import Counter, OrderedDict
+
+    from zload.native import check_pickle
+
+    shared = [1, 2]
+    tensor = torch.zeros(3)
+    tensor.note = "attribute"
+    value = {"bytes": b"\x00\xff" * 100, "array": bytearray(b"abc"), "set": {1, 2}, "counter": Counter("aab"),
+             "ordered": OrderedDict(a=1), "shape": torch.Size([2, 3]), "tensor": tensor,
+             "parameter": torch.nn.Parameter(torch.ones(2)), "shared": (shared, shared), "complex": 1j}
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith("data.pkl")]
+        check_pickle(archive.read(name))
+
+
+def _add_entry(path: Path, key: str, value: bytes) -> None:
+    """Set ``key`` of the dict the file's pickle holds to the object the opcodes ``value`` build
+    (written after that dict is built, as a hand-made pickle can), the archive written again by
+    torch's own writer: every other record where torch would have put it."""
+    with zipfile.ZipFile(path) as archive:
+        records = {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()}
+    assert records["data.pkl"].endswith(pickle.STOP)
+    records["data.pkl"] = records["data.pkl"][:-1] + _binunicode(key.encode()) + value + pickle.SETITEM + pickle.STOP
+    writer = torch._C.PyTorchFileWriter(str(path))
+    for name, data in records.items():
+        if name not in ("version", ".data/serialization_id"):  # the writer adds them
+            writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+
+
+def _status_bytes(field: str) -> int:
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _load_measuring_peak_body(path) -> tuple[Outcome, int]:
+    """``_load_body``, and how far this rank's peak resident memory rose above what it held
+    before (the peak reset first)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_bytes("VmRSS")
+    outcome = _load_body(path)
+    return outcome, _status_bytes("VmHWM") - before
+
+
+def test_a_gigabyte_bytearray_under_a_key_zload_never_reads(ckpt):
+    """``bytearray(1 << 30)`` is 20 bytes of pickle that torch's weights_only allows: refused
+    before unpickling, on every rank, naming the file, and no rank's memory grows by it (the
+    peak rose 1.2 GiB before; building the model and the load take about 0.2)."""
+    path = model_states(ckpt, 1)
+    _add_entry(path, "client_state", _BYTEARRAY)
+    results = run_world(2, _load_measuring_peak_body, str(ckpt.folder), timeout=TIMEOUT)
+    errors = [outcome.error for outcome, _ in results]
+    assert None not in errors and len(set(errors)) == 1, errors
+    kind, message, error_path, _ = errors[0]
+    assert kind == "InvalidCheckpointError" and error_path == str(path), message
+    assert (f"{path}: its pickle is refused before unpickling: it calls builtins.bytearray, which would allocate "
+            "1,073,741,824 bytes") in message
+    assert all(grown < 512 << 20 for _, grown in results), [grown for _, grown in results]
+
+
+def test_a_value_nested_150000_deep(ckpt):
+    """global_steps (which zload reads) nested 150,000 lists deep: refused before unpickling,
+    naming the file, not a RecursionError."""
+    path = model_states(ckpt, 1)
+    _add_entry(path, "global_steps", pickle.EMPTY_LIST * 150_000 + pickle.BININT1 + b"\x07"
+               + pickle.APPEND * 150_000)
+    kind, message, error_path, _ = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and error_path == str(path)
+    assert f"{path}: its pickle is refused before unpickling: it nests objects more than 100 deep" in message
+
+
+# --------------------------------------------------------------------------------------------
+# files of two runs, or of two steps
+
+
+def test_a_rank_optimizer_file_of_another_run_at_another_step(ckpt, native_checkpoint, tmp_path):
+    """Rank 1's optimizer states from another run (another seed), two steps in: the same sizes,
+    other weights. Refused by load and convert, naming both files and both step counts."""
+    other = native_checkpoint(world=2, stage=3, dtype="bf16", seed=1, steps=2)
+    shutil.copy(optim(other, 1), optim(ckpt, 1))
+    kind, message, path, _ = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and path == str(optim(ckpt, 1))
+    assert (f"{optim(ckpt, 1)}: the base optimizer's step count is 2 here, but 1 in {optim(ckpt, 0).name}: the "
+            "ranks' optimizer states are of different steps or saves; copy the save again") in message
+    with pytest.raises(zload.InvalidCheckpointError, match="step count is 2 here"):
+        zload.convert(ckpt.folder, tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
+
+
+def _copy_save(case, to: Path) -> NativeCheckpoint:
+    folder = shutil.copytree(case.folder, to)
+    return NativeCheckpoint(folder, folder / case.tag_folder.name)
+
+
+def test_zero2_model_states_of_an_earlier_step(native_checkpoint, tmp_path):
+    """ZeRO-2 writes one model-states file: from step 1 into a save of step 2, its global_steps
+    allows fewer optimizer steps than the optimizer states record."""
+    ckpt = _copy_save(native_checkpoint(world=2, stage=2, dtype="bf16", steps=2), tmp_path / "ckpt")
+    earlier = native_checkpoint(world=2, stage=2, dtype="bf16")
+    model = ckpt.tag_folder / "mp_rank_00_model_states.pt"
+    shutil.copy(earlier.tag_folder / model.name, model)
+    kind, message, path, _ = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and path == str(model)
+    assert (f"{model}: global_steps is 1 and skipped_steps 0 here, so the optimizer stepped at most 1 times, but the "
+            f"base optimizer in {optim(ckpt, 0).name} has taken 2 steps: model states of an earlier step") in message
+    with pytest.raises(zload.InvalidCheckpointError, match="model states of an earlier step"):
+        zload.convert(ckpt.folder, tmp_path / "converted")
+
+
+GENUINE_STEPS = {
+    # fp16 overflows: global_steps counts the skipped step, the optimizer's step count does not
+    "z3-fp16-skipped": dict(world=2, stage=3, dtype="fp16", steps=2, overflow_steps=1),
+    "z2-fp16-skipped": dict(world=2, stage=2, dtype="fp16", steps=2, overflow_steps=1),
+    # saved before any step: the optimizer records no step count
+    "z3-bf16-no-step": dict(world=2, stage=3, dtype="bf16", steps=0),
+    "z2-bf16-no-step": dict(world=2, stage=2, dtype="bf16", steps=0),
+    # resumed without the optimizer states: the optimizer counts 1 step, global_steps 3
+    "z3-bf16-restarted": dict(world=2, stage=3, dtype="bf16", steps=3, restart_optimizer_after=2),
+    "z2-bf16-restarted": dict(world=2, stage=2, dtype="bf16", steps=3, restart_optimizer_after=2),
+}
+
+
+@pytest.mark.parametrize("name", GENUINE_STEPS)
+def test_genuine_saves_whose_step_counts_differ_load(native_checkpoint, name):
+    """The control for the checks above (every other kind of save: tests/test_native_load.py):
+    what DeepSpeed writes loads, bit for bit as its own reader rebuilds it."""
+    from .native_checkpoints import deepspeed_reference
+
+    case = native_checkpoint(**GENUINE_STEPS[name])
+    loaded(case.folder, deepspeed_reference(case.folder))
+
+
+# --------------------------------------------------------------------------------------------
+# shapes the model states lie about: the error names the tensor at fault where the files tell
+
+
+_LYING = "model.layers.0.self_attn.q_proj.weight"  # (24, 24), said to be (24, 25)
+
+
+def _lie_about_a_shape(state):
+    state["param_shapes"][0][_LYING] = torch.Size([24, 25])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_shape_one_ranks_model_states_lie_about(ckpt, rank):
+    """ZeRO-3 writes param_shapes into every rank's model states; the file whose shapes do not
+    fit the fp32 flat groups is the one at fault, whichever rank's it is."""
+    _resave(model_states(ckpt, rank), _lie_about_a_shape)
+    kind, message, path, tensor = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and path == str(model_states(ckpt, rank)) and tensor == _LYING
+    assert (f"{model_states(ckpt, rank)}: param_shapes[0]['{_LYING}'] is torch.Size([24, 25]) here, but "
+            f"torch.Size([24, 24]) in {model_states(ckpt, 1 - rank).name}, whose shapes fit the sizes of the fp32 "
+            "flat groups (these do not)") in message
+
+
+def test_a_shape_every_ranks_model_states_lie_about(ckpt):
+    """Every rank's param_shapes agree on the lie: ZeRO-3 records no size per trainable
+    parameter, so the error names the group's parameters as candidates, not the last one."""
+    for rank in (0, 1):
+        _resave(model_states(ckpt, rank), _lie_about_a_shape)
+    kind, message, path, tensor = refused(ckpt.folder)
+    assert kind == "InvalidCheckpointError" and path == str(ckpt.tag_folder) and tensor is None
+    assert ("the shapes param_shapes gives group 0's 17 trainable parameters ('model.embed_tokens.weight' to "
+            "'model.norm.weight') take 3120 elements on each rank, but its fp32 flat group holds 3108") in message
+    assert "the files do not record which" in message and "lie inside" not in message
+
+
+@pytest.mark.parametrize("lie", ["param_shapes", "param_shapes and module"])
+def test_a_shape_zero2_model_states_lie_about(native_checkpoint, tmp_path, lie):
+    """ZeRO-2's model states hold the module's weights whole, and each rank's optimizer states
+    the elements of each parameter in its partition (param_slice_mappings): either pins the
+    tensor whose shape param_shapes lies about."""
+    ckpt = _copy_save(native_checkpoint(world=2, stage=2, dtype="bf16"), tmp_path / "ckpt")
+
+    def change(state):
+        _lie_about_a_shape(state)
+        if lie != "param_shapes":
+            state["module"][_LYING] = torch.zeros(24, 25, dtype=torch.bfloat16)
+
+    _resave(ckpt.tag_folder / "mp_rank_00_model_states.pt", change)
+    kind, message, _, _ = refused(ckpt.folder)
+    why = ("the module holds it as (24, 24) (mp_rank_00_model_states.pt)" if lie == "param_shapes" else
+           "the optimizer states' param_slice_mappings place 576 of its elements in the ranks' fp32 partitions")
+    assert kind == "InvalidCheckpointError" and f"'{_LYING}': param_shapes gives the shape (24, 25)" in message
+    assert why in message and "'model.norm.weight'" not in message, message
