@@ -10,13 +10,14 @@ import struct
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 import zload
 
 from . import models
 from .checkpoints import save_sharded
 from .harness import run_world
-from .zero3 import assert_unchanged, build_zero, load_recording_warnings, snapshot
+from .zero3 import assert_unchanged, build_zero, load_recording_warnings, refused_load, snapshot
 
 
 def load_on_nodes(path, node_dirs=None, **load_kwargs):
@@ -26,19 +27,13 @@ def load_on_nodes(path, node_dirs=None, **load_kwargs):
     With ``node_dirs``, rank r resolves ``path`` (relative) inside ``node_dirs[r]``: the same
     path names different files on different ranks, as with node-local copies of a checkpoint.
     """
-    model = build_zero(models.Awkward)
-    before = snapshot(model)
     cwd = os.getcwd()
     try:
         if node_dirs:
             os.chdir(node_dirs[dist.get_rank()])
-        zload.load_into(model, path, **load_kwargs)
-    except zload.ZloadError as e:
-        assert_unchanged(model, before)
-        return type(e).__name__, str(e)
+        return refused_load(build_zero(models.Awkward), path, **load_kwargs)
     finally:
         os.chdir(cwd)
-    return None
 
 
 def _load_expecting_error(path, node_dirs=None):
@@ -202,8 +197,6 @@ def test_strict_load_only_warns_about_unexpected_tensors(tmp_path):
 def test_load_warnings_point_at_the_callers_line(tmp_path):
     import warnings
 
-    from safetensors.torch import save_file
-
     save_file({"weight": torch.ones(2, 3), "bias": torch.zeros(2), "extra": torch.ones(1)},
               str(tmp_path / "model.safetensors"))
     with warnings.catch_warnings(record=True) as caught:
@@ -211,3 +204,150 @@ def test_load_warnings_point_at_the_callers_line(tmp_path):
         zload.load_into(torch.nn.Linear(3, 2), tmp_path)
     (warning,) = [w for w in caught if issubclass(w.category, zload.ZloadWarning)]
     assert "extra" in str(warning.message) and warning.filename == __file__
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks that call load_into differently: a collective one rank makes and another never reaches
+# would leave it waiting. Every rank raises the same error before anything is written.
+
+
+def _same(results):
+    assert all(r is not None for r in results), f"a rank loaded: {results}"
+    assert len(set(results)) == 1, f"ranks disagree: {results}"
+    return results[0]
+
+
+def _load_with_arguments_of_rank(path, node_dirs, arguments):
+    """``load_on_nodes`` with each rank's own keyword arguments: rank 0 passes ``arguments[0]``,
+    the others ``arguments[1]``."""
+    return load_on_nodes(path, node_dirs, **arguments[min(dist.get_rank(), 1)])
+
+
+DIFFERING_ARGUMENTS = {  # name: (rank 0's keyword arguments, the other ranks', node-local, what the error says)
+    "verify": ({"verify": "full"}, {}, False, "verify: 'full' on rank 0, 'sample' on rank"),
+    "verify_node_local": ({}, {"verify": "full"}, True, "verify: 'sample' on rank 0, 'full' on rank"),
+    "staging_bytes": ({"staging_bytes": 256}, {"staging_bytes": 512}, True,
+                      "staging_bytes: 256 on rank 0, 512 on rank"),
+    "strict": ({"strict": False}, {}, False, "strict: False on rank 0, True on rank"),
+    "revision": ({}, {"revision": "main"}, False, "revision: None on rank 0, 'main' on rank"),
+    "verify_invalid_on_one": ({}, {"verify": "all"}, False, "verify: 'sample' on rank 0, 'all' on rank"),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("argument", DIFFERING_ARGUMENTS)
+def test_ranks_passing_different_arguments_all_raise(tmp_path, world, argument):
+    """verify="full" on one rank and "sample" on another took different first collectives; a
+    staging_bytes that differs cut the node-local transfer into batches of different sizes; a
+    revision or a verify only one rank refused left the others waiting. Now one error, naming
+    the argument and what each rank passed, on every rank, the model unchanged."""
+    first, others, node_local, says = DIFFERING_ARGUMENTS[argument]
+    state = models.state_with_seed(models.Awkward, seed=13)
+    folder = save_sharded(state, tmp_path / "node0" / "ckpt", shards=2)
+    path, nodes = folder, None
+    if node_local:  # only rank 0 has the checkpoint: the others receive their bytes from it
+        (tmp_path / "node1").mkdir()
+        path, nodes = "ckpt", [tmp_path / "node0"] + [tmp_path / "node1"] * (world - 1)
+    results = run_world(world, _load_with_arguments_of_rank, path, nodes, (first, others), timeout=60)
+    kind, message = _same(results)
+    assert kind == "ArgumentValueError", message
+    assert "the ranks passed load_into different arguments" in message and says in message, message
+    assert "every rank must call load_into with the same arguments and the same model" in message
+
+
+def _load_passing_a_list_on_rank_1(path):
+    """Rank 1 passes a list holding the model where the model belongs (which it alone refuses)."""
+    model = build_zero(models.Awkward)
+    return refused_load(model, path, [model] if dist.get_rank() == 1 else model)
+
+
+def test_a_model_only_one_rank_refuses_fails_every_rank(tmp_path):
+    folder = save_sharded(models.state_with_seed(models.Awkward, seed=13), tmp_path / "ckpt", shards=2)
+    kind, message = _same(run_world(2, _load_passing_a_list_on_rank_1, folder, timeout=60))
+    assert kind == "ArgumentValueError" and "model: 'an nn.Module' on rank 0, 'a list' on rank 1" in message
+
+
+def test_arguments_that_differ_are_named_with_what_each_rank_passed():
+    from zload.distributed import Arguments
+
+    mine = Arguments("load_into", {"verify": "sample", "staging_bytes": 256, "key_map": None})
+    gathered = [mine.values, dict(mine.values, verify="full"), dict(mine.values, verify="full", staging_bytes=512)]
+    error = mine.differing(gathered, "zload: cannot load x")
+    assert isinstance(error, zload.ArgumentValueError) and error.ranks == (0, 1, 2)
+    assert str(error) == ("zload: cannot load x: the ranks passed load_into different arguments (verify: 'sample' "
+                          "on rank 0, 'full' on ranks 1, 2; staging_bytes: 256 on ranks 0, 1, 512 on rank 2); every "
+                          "rank must call load_into with the same arguments and the same model")
+    many = [dict(mine.values, staging_bytes=n) for n in range(10)]
+    assert "staging_bytes: 0 on rank 0, 1 on rank 1, 2 on rank 2, 3 on rank 3, ... (6 more))" in \
+        str(mine.differing(many, "x"))
+
+
+def _load_with_an_orphan_on_rank_1(path):
+    """Rank 1 re-creates each LayerScale's parameter after zero.Init (an orphan that zload turns
+    into a ZeRO-3 parameter, a broadcast); the other ranks give the ZeRO-3 parameter the same name."""
+    model = build_zero(models.TinyViT)
+    for module in model.modules():
+        if isinstance(module, models.LayerScale):
+            if dist.get_rank() == 1:
+                models.ls_apply_patch(module)
+            else:
+                module.scale_factor = module.gamma
+                del module.gamma
+    return refused_load(model, path)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_orphan_on_one_rank_only_fails_every_rank(tmp_path, world):
+    """Rank 1 alone waited in the orphan's broadcast while the others returned success."""
+    def factory():
+        model = models.TinyViT()
+        models.patch_layerscales(model)
+        return model
+
+    path = tmp_path / "model.safetensors"
+    save_file(models.state_with_seed(factory, seed=14), str(path))
+    results = run_world(world, _load_with_an_orphan_on_rank_1, path, timeout=60)
+    kind, message = _same(results)
+    lacking = "rank 0's" if world == 2 else "those of ranks 0, 2"
+    assert kind == "PlanError", message
+    assert "rank 1's model has the orphan 'blocks.0.ls1.scale_factor' (float32 [10])" in message, message
+    assert f"that {lacking} lack" in message and "the same model" in message, message
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
+               "scatter", "gather", "isend", "irecv", "send", "recv", "barrier")
+
+
+def _collectives_of_loads(path, verifies):
+    """The torch.distributed calls each load (one per ``verify``) makes, in order."""
+    calls, real = [], {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real[name](*args, **kwargs)
+        return call
+
+    made = []
+    for verify in verifies:
+        model = build_zero(models.Awkward)
+        calls.clear()
+        for name in COLLECTIVES:
+            setattr(dist, name, counted(name))
+        try:
+            zload.load_into(model, path, verify=verify)
+        finally:
+            for name in COLLECTIVES:
+                setattr(dist, name, real[name])
+        made.append(list(calls))
+    return made
+
+
+def test_agreeing_on_the_call_adds_no_collective(tmp_path):
+    """The common load makes two all-reduces (after planning, after reading), whatever it agrees
+    on; a full verification starts with the same all-reduce as a sampled one, so that ranks that
+    passed different verify values meet in it."""
+    folder = save_sharded(models.state_with_seed(models.Awkward, seed=16), tmp_path / "ckpt", shards=2)
+    for sample, full in run_world(2, _collectives_of_loads, folder, ["sample", "full"]):
+        assert sample == ["all_reduce", "all_reduce"], sample
+        assert full[0] == "all_reduce" and full[-1] == "all_reduce", full

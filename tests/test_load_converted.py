@@ -15,7 +15,7 @@ import zload
 
 from .harness import run_world
 from .models import tiny_llama_config
-from .zero3 import build_zero, check_against
+from .zero3 import build_zero, check_against, refused_load
 
 transformers = pytest.importorskip("transformers")
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping  # noqa: E402
@@ -142,3 +142,31 @@ def test_every_checkpoint_byte_is_read_once_across_ranks(saved, kind):
     conversion with two outputs reads its input once, on one rank, for both."""
     results = run_world(3, _bytes_read, kind, saved[kind])
     assert sum(r[0] for r in results) == results[0][1]
+
+
+def _load_transposed_on_rank_1_only(folder):
+    """Rank 1 builds the model whose checkpoint stores up_proj transposed (a conversion one rank
+    makes and sends), the others plain Llama; square MLPs, so that every rank's plan fits."""
+    cls = LlamaWithTransposedMLP if torch.distributed.get_rank() == 1 else transformers.LlamaForCausalLM
+    return refused_load(build_zero(lambda: cls(_square_llama_config())), folder)
+
+
+def _square_llama_config():
+    config = tiny_llama_config()
+    config.intermediate_size = config.hidden_size
+    return config
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_conversion_planned_on_one_rank_only_fails_every_rank(tmp_path, world):
+    """Rank 1 alone waited for the converted tensors it expected to be sent (and would have loaded
+    up_proj transposed where the others load it as stored)."""
+    torch.manual_seed(15)
+    transformers.LlamaForCausalLM(_square_llama_config()).save_pretrained(tmp_path)
+    results = run_world(world, _load_transposed_on_rank_1_only, tmp_path, timeout=60)
+    assert all(r is not None for r in results), results
+    assert len(set(results)) == 1, results
+    kind, message = results[0]
+    assert kind == "PlanError", message
+    assert "rank 1's model has the conversion of 'model.layers.0.mlp.up_proj.weight'" in message, message
+    assert "the same model" in message

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zload.index import CheckpointIndex, TensorEntry
-from zload.plan import make_plan
+from zload.plan import collectives_differing, make_plan
 from zload.targets import FULL, ORPHAN, PARTITION, Partition, Target
 
 
@@ -85,6 +85,24 @@ def test_orphan_takes_its_shape_from_the_checkpoint():
     index = _index(("ls.scale_factor", "F32", (6,), 4))
     plan = make_plan(index, [Target(("ls.scale_factor",), ORPHAN, (), "bfloat16", True)])
     assert plan.orphans == ["ls.scale_factor"] and plan.items[0].numel == 6
+
+
+def test_the_collectives_a_plan_makes_and_how_ranks_differ_in_them():
+    """An orphan is converted by a broadcast, so its plan names it; a plan without orphans or
+    slow-path conversions makes none after the reads. What differs is said rank by rank."""
+    index = _index(("a", "F32", (2,), 4), ("ls.scale_factor", "F32", (6,), 4))
+    assert make_plan(index, [_partition("a", (2,), 1, 0)], strict=False).collectives == []
+    orphan = make_plan(index, [Target(("ls.scale_factor",), ORPHAN, (), "bfloat16", True)], strict=False)
+    (described,) = orphan.collectives
+    assert described == "the orphan 'ls.scale_factor' (bfloat16 [6])"
+    other = "the orphan 'x' (float32 [1])"
+    assert collectives_differing([[], [described], []]) == \
+        f"rank 1's model has {described} that those of ranks 0, 2 lack"
+    assert collectives_differing([[described], [described], [other]]) == \
+        f"the models of ranks 0, 1 have {described} that rank 2's lacks; rank 2's model has {other} that " \
+        "those of ranks 0, 1 lack"
+    assert collectives_differing([[described, other], [other, described]]) == \
+        f"the ranks' models have {described}, {other}, but in different orders"
 
 
 def test_missing_is_a_problem_only_when_strict_and_required():

@@ -180,6 +180,18 @@ def assert_unchanged(model, before: dict[str, torch.Tensor]) -> None:
         assert_bit_equal(after[name], before[name], f"{name} changed")
 
 
+def refused_load(model, path, passed=None, **load_kwargs) -> tuple[str, str] | None:
+    """``zload.load_into`` of ``passed`` (default: ``model``): the class name and message of the
+    error it raised, once ``model`` is proven untouched, or None when it loaded."""
+    before = snapshot(model)
+    try:
+        zload.load_into(model if passed is None else passed, path, **load_kwargs)
+    except zload.ZloadError as e:
+        assert_unchanged(model, before)
+        return type(e).__name__, str(e)
+    return None
+
+
 def load_expected(path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 

@@ -10,7 +10,6 @@ every rank, planning the load on the way so that the common case costs one all-r
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import stat
@@ -18,7 +17,8 @@ import warnings
 from dataclasses import dataclass, field
 
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digests
-from .distributed import Problem, agree, exchange, problems_of, raise_for, rank_and_world, reduce_max
+from .distributed import (Arguments, Problem, agree, digest, exchange, problems_of, raise_for, rank_and_world,
+                          reduce_max, same_everywhere)
 from .errors import (ArgumentValueError, CheckpointError, CheckpointNotFoundError, InvalidCheckpointError, PlanError,
                      ZloadWarning)
 from .execute import reader_count
@@ -27,7 +27,7 @@ from .hub import download
 from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry, index_from_weight_map, parse_header
 from .native import LATEST, native_folder, open_native
 from .pagecache import forget
-from .plan import LoadPlan
+from .plan import LoadPlan, collectives_differing
 from .report import shortened
 from .quantized import Quantization, agreed_quantization, read_quantization
 
@@ -181,11 +181,9 @@ class LocalView:
 
     @property
     def fingerprint(self) -> int:
-        """Equal on two ranks (but for a 2**-62 chance) exactly when they see the same files with
-        the same headers and data digests, the same weight map and the same quantization config;
-        non-negative and below 2**62, so that it and its negation fit in int64."""
-        view = repr((sorted(self.digests.items()), self.layout, self.index is not None, self.quantization)).encode()
-        return int.from_bytes(hashlib.sha1(view).digest()[:8], "little") >> 2
+        """Equal on two ranks (a ``digest``) exactly when they see the same files with the same
+        headers and data digests, the same weight map and the same quantization config."""
+        return digest((sorted(self.digests.items()), self.layout, self.index is not None, self.quantization))
 
     def opened(self) -> dict[str, OpenFile]:
         """This rank's open checkpoint files, by file key."""
@@ -372,30 +370,63 @@ def _refused(source: str) -> str:
     return f"zload: cannot load {source}; the model was not changed"
 
 
-def open_agreed(path: str, revision: str | None, verify: str,
+def _settled(view: LocalView, arguments: Arguments, plan: LoadPlan | None,
+             problems: list[Problem]) -> tuple[bool, bool, bool]:
+    """The all-reduce after planning, the first collective of every ``open_agreed`` whatever its
+    arguments. Raises on every rank if the ranks passed different ``arguments`` (naming them), or
+    the same invalid one; else (whether every rank sees the same whole checkpoint, whether some
+    rank's plan has problems, whether the plans make different collectives)."""
+    fingerprint, called = view.fingerprint, arguments.digest
+    collectives = digest(plan.collectives if plan else None)
+    (high, negated_low, called_high, called_negated_low, collectives_high, collectives_negated_low,
+     partial, troubled) = reduce_max([fingerprint, -fingerprint, called, -called, collectives, -collectives,
+                                      int(not view.whole), len(problems)])
+    view.forget_sampled()
+    if not same_everywhere(called_high, called_negated_low):
+        raise arguments.differing(exchange(arguments.values), _refused(view.source))
+    if arguments.invalid:
+        raise arguments.invalid
+    return (same_everywhere(high, negated_low) and not partial, bool(troubled),
+            not same_everywhere(collectives_high, collectives_negated_low))
+
+
+def _agree_on_plans(plan: LoadPlan | None, problems: list[Problem], troubled: bool, differing: bool,
+                    arguments: Arguments, what: str) -> None:
+    """Raise on every rank if some rank's plan has problems (``troubled``), or if the plans make
+    different collectives (``differing``): which is learnt from an exchange made only then."""
+    if troubled:
+        raise_for(exchange(problems), what)
+    if differing:
+        gathered = exchange(plan.collectives)
+        raise PlanError(f"{what}: the ranks' models differ: {collectives_differing(gathered)}; every rank "
+                        f"must call {arguments.call} with the same arguments and the same model (built the "
+                        "same way on every rank)", ranks=tuple(range(len(gathered))))
+
+
+def open_agreed(path: str, revision: str | None, verify: str, arguments: Arguments,
                 plan_load) -> tuple[str, SharedIndex, LoadPlan]:
     """Index the checkpoint and plan the load on every rank; raise on all if any rank cannot.
 
     Usually every rank sees the same whole checkpoint: each plans against its own view, and one
-    all-reduce settles both that the views are the same (headers, a sample of the data, and the
-    quantization config) and that no plan has a problem. Otherwise (node-local shards, copies that
-    differ, a Hub repo id, a bad header) the ranks exchange their views, and then plan and agree on
-    the plans. ``plan_load(index, remote_files, quantization)`` plans one rank's load. The
-    returned index's files stay open; the caller closes them.
+    all-reduce settles that every rank passed the same ``arguments`` (its first collective,
+    whatever they are), that the views are the same (headers, a sample of the data, and the
+    quantization config), that no plan has a problem and that every plan makes the same
+    collectives (``LoadPlan.collectives``). ``verify="full"`` digests every file after it and
+    settles again. Otherwise (node-local shards, copies that differ, a Hub repo id, a bad header)
+    the ranks exchange their views, and then plan and agree on the plans.
+    ``plan_load(index, remote_files, quantization)`` plans one rank's load. The returned index's
+    files stay open; the caller closes them.
     """
-    view = local_view(path, verify)
+    view = local_view(path, verify) if arguments.invalid is None else LocalView(path, None)
     try:
-        if verify == "full":
-            verify_fully(view)
         plan, problems = _planned(plan_load, view.shared()) if view.whole else (None, [])
-        fingerprint = view.fingerprint
-        high, negated_low, partial, troubled = reduce_max(
-            [fingerprint, -fingerprint, int(not view.whole), len(problems)])
-        view.forget_sampled()
-        if high == -negated_low and not partial:  # the same whole checkpoint everywhere
+        same, troubled, differing = _settled(view, arguments, plan, problems)
+        if verify == "full":  # on every rank, as settled
+            verify_fully(view)
+            same, troubled, differing = _settled(view, arguments, plan, problems)
+        if same:  # the same whole checkpoint everywhere
             _no_revision(path, revision)
-            if troubled:
-                raise_for(exchange(problems), _refused(path))
+            _agree_on_plans(plan, problems, troubled, differing, arguments, _refused(path))
             return path, view.shared(), plan
         shared = share_index(view, _refused(path))
         source = path
@@ -410,7 +441,10 @@ def open_agreed(path: str, revision: str | None, verify: str,
         else:
             _no_revision(path, revision)
         plan, problems = _planned(plan_load, shared)
-        agree(problems, _refused(source))
+        collectives = digest(plan.collectives if plan else None)
+        troubled, high, negated_low = reduce_max([len(problems), collectives, -collectives])
+        _agree_on_plans(plan, problems, bool(troubled), not same_everywhere(high, negated_low), arguments,
+                        _refused(source))
         return source, shared, plan
     except BaseException:
         view.close()

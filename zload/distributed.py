@@ -3,11 +3,14 @@
 Every rank plans on its own; then the ranks agree, so that a problem seen by any rank raises the
 same error on every rank instead of leaving the others blocked in a later collective. Agreeing
 costs one all-reduce of a few numbers (``reduce_max``) when no rank has a problem, as in nearly
-every load; only then are the problems themselves exchanged.
+every load; only then are the problems themselves exchanged. What must be the same on every rank
+(a call's ``Arguments``, a view of the checkpoint) travels in that all-reduce as a ``digest`` and
+its negation: their maxima are each other's negation exactly when every rank holds the same.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import traceback
 from contextlib import contextmanager
@@ -18,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from . import errors
+from .index import brief
+from .report import ranks_named, shortened
 
 logger = logging.getLogger("zload")
 
@@ -92,6 +97,48 @@ def reduce_max(values: list[int]) -> list[int]:
     with collective():
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def digest(value) -> int:
+    """A digest of ``repr(value)``, equal on two ranks (but for a 2**-62 chance) exactly when the
+    reprs are; non-negative and below 2**62, so that it and its negation fit in int64."""
+    return int.from_bytes(hashlib.sha1(repr(value).encode()).digest()[:8], "little") >> 2
+
+
+def same_everywhere(high: int, negated_low: int) -> bool:
+    """Whether every rank held the same digest, given the maxima over ranks of it and its negation."""
+    return high == -negated_low
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """A call's arguments as the ranks compare them: ``values``, by name, each as a value whose
+    repr is the same on every rank that passed the same (a function as its kind, not its address);
+    and the error of an invalid one, raised only once the ranks know that every rank passed it
+    (a rank that alone passed one must still meet the others in their first collective)."""
+
+    call: str  # e.g. "load_into"
+    values: dict
+    invalid: errors.ZloadError | None = None
+
+    @property
+    def digest(self) -> int:
+        return digest(self.values)
+
+    def differing(self, gathered: list[dict], what: str) -> errors.ArgumentValueError:
+        """The error for every rank's ``values`` (``gathered``, in rank order) when they differ:
+        each argument that differs, and what each rank passed."""
+        lines = []
+        for name in self.values:
+            passed: dict[str, list[int]] = {}
+            for rank, values in enumerate(gathered):
+                passed.setdefault(brief(values.get(name)), []).append(rank)
+            if len(passed) > 1:
+                lines.append(f"{name}: " + shortened([f"{value} on {ranks_named(ranks)}"
+                                                      for value, ranks in passed.items()], 4))
+        return errors.ArgumentValueError(
+            f"{what}: the ranks passed {self.call} different arguments ({'; '.join(lines)}); every rank "
+            f"must call {self.call} with the same arguments and the same model", ranks=tuple(range(len(gathered))))
 
 
 @dataclass(frozen=True)

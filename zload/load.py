@@ -10,6 +10,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
@@ -17,10 +18,10 @@ import torch
 from .checkpoint import SharedIndex, open_agreed
 from .collector import collector_paused
 from .converted import load_converted
-from .distributed import agree, collective, problems_of, rank_and_world, stage
-from .errors import ArgumentValueError, PeerLostError, ZloadWarning
+from .distributed import Arguments, agree, collective, problems_of, rank_and_world, stage
+from .errors import ArgumentTypeError, ArgumentValueError, PeerLostError, ZloadWarning
 from .execute import DEFAULT_STAGING_BYTES, execute
-from .index import CheckpointIndex
+from .index import CheckpointIndex, brief
 from .building import is_unloaded, mark_loaded
 from .kernels import scatter_cast, zero_segment
 from .names import KeyMap, match
@@ -144,15 +145,14 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     terminal), unless huggingface_hub's progress bars are disabled. ``verify``: how ranks make
     sure they read the same bytes: "sample" compares the headers and a sample of each file's data
     across ranks; "full" digests every byte, once per node, and checks files ``zload.save`` wrote
-    against the digest it recorded. Must be called by every rank. Raises ``ZloadError`` (the same
-    on every rank) and leaves the model untouched when the checkpoint does not fit the model.
+    against the digest it recorded. Must be called by every rank, with the same arguments (but
+    ``progress``, and ``path`` where nodes hold their own copies) and models built the same way;
+    otherwise every rank raises ``ArgumentValueError`` or ``PlanError``. Raises ``ZloadError`` (the
+    same on every rank) and leaves the model untouched when the checkpoint does not fit the model.
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
-    module, engine = unwrap(model)
-    path = os.fspath(path)
-    if verify not in VERIFY:
-        raise ArgumentValueError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY))}")
+    module, engine, path, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify)
 
     def plan_load(index: CheckpointIndex, remote_files: frozenset[str], quantization: Quantization) -> LoadPlan:
         targets = collect_targets(module, engine is not None)
@@ -170,7 +170,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
         return plan
 
     with stage(f"indexing and planning the load of {path}", _UNCHANGED):
-        source, shared, plan = open_agreed(path, revision, verify, plan_load)
+        source, shared, plan = open_agreed(path, revision, verify, arguments, plan_load)
     with shared.index:
         bytes_read, sent, received = _execute(plan, shared, engine, module, source, rank, staging_bytes,
                                               progress)
@@ -182,6 +182,40 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
     logger.info("%s", report)
     return report
+
+
+def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tuple:
+    """(module, engine or None, path, ``Arguments``) of a ``load_into`` call. The ranks compare every
+    argument but ``progress`` (a bar on rank 0 alone) and where ``path`` leads (node-local copies
+    may lie at different paths; their views are compared instead): the model and a callable
+    ``key_map`` by kind (what the model makes of the call is compared as the plans' collectives).
+    An invalid argument is not raised here but once the ranks know they all passed it."""
+    module = engine = invalid = None
+    try:
+        module, engine = unwrap(model)
+    except ArgumentTypeError as e:
+        invalid = e
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        invalid = invalid or ArgumentTypeError(f"zload.load_into expects a path (str or os.PathLike), got "
+                                               f"{type(path).__name__}")
+    if verify not in VERIFY:
+        invalid = invalid or ArgumentValueError(f"verify={brief(verify)}: expected one of "
+                                                f"{', '.join(map(repr, VERIFY))}")
+
+    def kind(value) -> str:
+        return f"a {type(value).__name__}"
+
+    def plain(value):  # what any rank can repr and send, and another compare
+        return value if value is None or isinstance(value, (bool, int, float, str)) else kind(value)
+
+    model_kind = "a DeepSpeedEngine" if engine is not None else "an nn.Module" if module is not None else kind(model)
+    key_map_kind = "a callable" if callable(key_map) else {plain(k): plain(v) for k, v in key_map.items()} \
+        if isinstance(key_map, Mapping) else plain(key_map)
+    values = {"model": model_kind, "path": kind(path), "strict": plain(strict), "key_map": key_map_kind,
+              "revision": plain(revision), "staging_bytes": plain(staging_bytes), "verify": plain(verify)}
+    return module, engine, path, Arguments("load_into", values, invalid)
 
 
 def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, rank: int,

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-from .index import DTYPES, CheckpointIndex
+from .index import DTYPES, CheckpointIndex, brief
 from .names import Matching, Source, match
 from .quantized import Scale
-from .report import shortened
+from .report import ranks_named, shortened
 from .targets import ORPHAN, PARTITION, Target
 
 _FLOATING = {"float16", "bfloat16", "float32", "float64"}
@@ -106,6 +106,42 @@ class LoadPlan:
     conversions: dict[str, list[str]] = field(default_factory=dict)  # "BF16->float32" -> names
     orphans: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+
+    @property
+    def collectives(self) -> list[str]:
+        """What in this plan takes part in collectives after the reads, in the order the load
+        makes them: each slow-path conversion (its reader rank sends the others their parts) and
+        each orphan (made a ZeRO-3 parameter by a broadcast). It must be the same on every rank,
+        or one rank would wait in a collective the others never make."""
+        if not self.slow and not self.orphans:  # nearly every load: nothing to walk
+            return []
+        converted = [(self.targets[i], self.sources[i]) for i in self.slow]
+        return [f"the conversion of '{target.name}' (from {', '.join(map(brief, source.names))}; {target.dtype} "
+                f"{list(source.shape)})" for target, source in converted] + \
+               [f"the orphan '{target.name}' ({target.dtype} {list(source.shape)})"
+                for i, source in self.sources.items() if (target := self.targets[i]).kind == ORPHAN]
+
+
+def collectives_differing(gathered: list[list[str]]) -> str:
+    """How the ranks' ``LoadPlan.collectives`` (``gathered``, in rank order) differ: what some
+    ranks' models have and the others' lack, or else that they come in different orders."""
+    having: dict[str, list[int]] = {}
+    for rank, described in enumerate(gathered):
+        for item in described:
+            having.setdefault(item, []).append(rank)
+    lacked: dict[tuple[int, ...], list[str]] = {}
+    for item, ranks in having.items():
+        if len(ranks) < len(gathered):
+            lacked.setdefault(tuple(ranks), []).append(item)
+    if not lacked:
+        return f"the ranks' models have {shortened(list(having), 3)}, but in different orders"
+    parts = []
+    for ranks, items in lacked.items():
+        others = [r for r in range(len(gathered)) if r not in ranks]
+        whose = f"{ranks_named(ranks)}'s model has" if len(ranks) == 1 else f"the models of {ranks_named(ranks)} have"
+        lacks = f"{ranks_named(others)}'s lacks" if len(others) == 1 else f"those of {ranks_named(others)} lack"
+        parts.append(f"{whose} {shortened(items, 3)} that {lacks}")
+    return shortened(parts, 4, "; ")
 
 
 def align(position: int) -> int:

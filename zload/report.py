@@ -10,10 +10,15 @@ def plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
-def shortened(names: list[str], limit: int = 8) -> str:
+def ranks_named(ranks) -> str:
+    """``[1]`` -> ``"rank 1"``, ``[0, 2]`` -> ``"ranks 0, 2"`` (the first few of many)."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {shortened([str(r) for r in ranks])}"
+
+
+def shortened(names: list[str], limit: int = 8, sep: str = ", ") -> str:
     """The first ``limit`` names, and how many more there are."""
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+    shown = sep.join(names[:limit])
+    return shown + (f"{sep}... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 @dataclass
