@@ -5,6 +5,7 @@ loads exactly like one built by zero.Init."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import types
@@ -479,8 +480,9 @@ def _builds_like_zero_init(name, path, outer):
         want = reference.get_parameter(p_name)  # zero.Init leaves a replaced child parameter whole
         want_partition = getattr(want, "ds_tensor", want)
         assert (p.ds_tensor.device, p.ds_tensor.dtype) == (want_partition.device, want_partition.dtype), p_name
-    torch.manual_seed(4)  # the same file on every rank; each writes its own, so none waits for another
-    path = f"{path}.{dist.get_rank()}"
+    torch.manual_seed(4)  # the same file on every rank; each writes its own copy, so none waits for another
+    path = os.path.join(f"{os.path.dirname(path)}-{dist.get_rank()}", os.path.basename(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     state = {key: torch.randn(getattr(p, "ds_shape", p.shape)) * 3 for key, p in reference.named_parameters()}
     save_file({key: t.contiguous() for key, t in {**reference.state_dict(), **state}.items()}, path)
     zload.load_into(model, path)
