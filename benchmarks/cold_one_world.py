@@ -31,13 +31,14 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from .load import REPO, exit_without_teardown, log
-from .load.checkpoint import checkpoint_bytes, checkpoint_dir, ensure_checkpoint, evict_page_cache, llama_config, \
-    parse_size_spec
-from .load.launch import launch_local, scratch_folders
-from .load.methods import partition_device
-from .load.report import save_results
-from .load.worker import join_world
+from benchmarks.load import REPO, exit_without_teardown, log
+from benchmarks.load.checkpoint import (
+    checkpoint_bytes, checkpoint_dir, ensure_checkpoint, evict_page_cache, llama_config, parse_size_spec,
+)
+from benchmarks.load.launch import launch_local, scratch_folders
+from benchmarks.load.methods import partition_device
+from benchmarks.load.report import save_results
+from benchmarks.load.worker import join_world
 
 METHODS = {  # name (as the load benchmark's) -> what it times
     "zload+init": "`zload.load_into` into the model built under `zload.init`",
@@ -74,7 +75,7 @@ def _runners(folder: str, methods: list[str]) -> tuple[dict, dict, dict | None]:
     import torch.distributed.checkpoint as dcp
 
     import zload
-    from .load.methods import build_model, ceiling, dcp_state_dict
+    from benchmarks.load.methods import build_model, ceiling, dcp_state_dict
 
     build_args = SimpleNamespace(model_dtype="bfloat16")
     models = {name: build_model(folder, Stopwatch(), build_args, how)
@@ -101,7 +102,7 @@ def _runners(folder: str, methods: list[str]) -> tuple[dict, dict, dict | None]:
 
 
 def _verify(folder: str, models: dict, state_dict) -> dict:
-    from .load.methods import verify_partitions, verify_row_shards
+    from benchmarks.load.methods import verify_partitions, verify_row_shards
 
     checks = {name: verify_partitions(model, folder) for name, model in models.items()}
     if state_dict is not None:

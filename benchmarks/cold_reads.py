@@ -24,10 +24,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .load import MB, REPO, log
-from .load.checkpoint import (checkpoint_dir, checkpoint_files, ensure_checkpoint, evict_page_cache,
-                              llama_config, parse_bytes)
-from .load.methods import contiguous_share, rank_partitions
+from benchmarks.load import MB, REPO, log
+from benchmarks.load.checkpoint import (
+    checkpoint_dir, checkpoint_files, ensure_checkpoint, evict_page_cache, llama_config, parse_bytes,
+)
+from benchmarks.load.methods import contiguous_share, rank_partitions
 
 RUN = 16 << 20  # bytes per request, as zload's runs
 AHEAD = 64 << 20  # hinted ahead of the reader (zload's READ_AHEAD_BYTES)

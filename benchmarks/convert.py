@@ -37,9 +37,9 @@ import sys
 import tempfile
 import time
 
-from .load import HERE, MB, REPO, exit_without_teardown, log
-from .load.checkpoint import llama_config, parse_size_spec, warm_page_cache
-from .load.report import save_results
+from benchmarks.load import HERE, MB, REPO, exit_without_teardown, log
+from benchmarks.load.checkpoint import llama_config, parse_size_spec, warm_page_cache
+from benchmarks.load.report import save_results
 
 METHODS = {  # name -> command, with CHECKPOINT and OUT filled in
     "zero_to_fp32": lambda ckpt, out: [sys.executable, os.path.join(ckpt, "zero_to_fp32.py"), ckpt, out,

@@ -17,7 +17,9 @@ import os
 import time
 import warnings
 
-from .load.checkpoint import checkpoint_dir, ensure_checkpoint, llama_config, parse_bytes, warm_page_cache
+from benchmarks.load.checkpoint import (
+    checkpoint_dir, ensure_checkpoint, llama_config, parse_bytes, warm_page_cache,
+)
 
 SHARD = "100GB"  # one file: the FP8 copy is made from it
 

@@ -42,9 +42,9 @@ from benchmarks.load.report import save_results
 
 
 def _sample_all(files: list[str]) -> float:
-    from zload.files import FileTable, open_regular
-    from zload.digest import sample_digests
-    from zload.index import parse_header
+    from zload.checkpoint.files import FileTable, open_regular
+    from zload.checkpoint.digest import sample_digests
+    from zload.checkpoint.index import parse_header
 
     with FileTable() as table:
         opened = [table.add(open_regular(f), f) for f in files]
@@ -56,8 +56,8 @@ def _sample_all(files: list[str]) -> float:
 
 
 def _full_digest(files: list[str]) -> float:
-    from zload.digest import block_count, block_digests
-    from zload.execute import reader_count
+    from zload.checkpoint.digest import block_count, block_digests
+    from zload.distributed import reader_count
 
     started = time.perf_counter()
     for path in files:
@@ -74,7 +74,7 @@ def _save(folder: str, config) -> tuple[float, float]:
     """(seconds of zload.save, of which reading the files back for their digests)."""
     import zload
 
-    import zload.writer as writer_module
+    import zload.saving.writer as writer_module
     real, spent = writer_module.record_digests, []
 
     def timed(*args, **kwargs):

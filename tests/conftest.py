@@ -3,7 +3,7 @@ import subprocess
 
 import pytest
 
-from .harness import close_worlds, reset_process_state
+from tests.harness import close_worlds, reset_process_state
 
 # Rank processes inherit this; DeepSpeed's CPU accelerator is chosen without probing for GPUs.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -30,7 +30,7 @@ def native_checkpoint(tmp_path_factory):
     costs a training step in a world of ranks, and several test files read the same cases."""
     import inspect
 
-    from .native_checkpoints import make_native_checkpoint
+    from tests.native_checkpoints import make_native_checkpoint
 
     signature, cases = inspect.signature(make_native_checkpoint), {}
 

@@ -37,7 +37,7 @@ import zload  # noqa: E402
 from tests import models  # noqa: E402
 from tests.zero3 import build_zero  # noqa: E402
 
-import zload.writer as writer_module  # noqa: E402
+import zload.saving.writer as writer_module  # noqa: E402
 
 
 def _die() -> None:
@@ -70,7 +70,7 @@ def _fail(error: int, message: str):
 
 
 def _owner(where: str):
-    """``"zload.savedir:SaveFolder"`` -> that class; ``"zload.writer"`` -> that module."""
+    """``"zload.saving.folder:SaveFolder"`` -> that class; ``"zload.saving.writer"`` -> that module."""
     module, _, name = where.partition(":")
     owner = sys.modules[module] if module != "dist" else dist
     return getattr(owner, name) if name else owner
@@ -78,20 +78,20 @@ def _owner(where: str):
 
 def install_crash(point: str) -> None:
     die = lambda *a, **k: _die()  # noqa: E731
-    folder = "zload.savedir:SaveFolder"
+    folder = "zload.saving.folder:SaveFolder"
     points = {  # kill point -> (owner, function, wrapper's before / after)
-        "plan": ("zload.save_plan", "plan_writes", {"after": die}),
-        "create": ("zload.writer", "create_files", {"after": die}),
-        "write": ("zload.writer", "_pwrite_all", {"after": die}),
+        "plan": ("zload.saving.plan", "plan_writes", {"after": die}),
+        "create": ("zload.saving.writer", "create_files", {"after": die}),
+        "write": ("zload.saving.writer", "_pwrite_all", {"after": die}),
         "send": ("dist", "send", {"after": die}),
-        "publish": ("zload.writer", "publish", {"before": die}),
+        "publish": ("zload.saving.writer", "publish", {"before": die}),
         "moved": (folder, "_move_in", {"after": die}),
         "committed": (folder, "_commit", {"after": die}),
         "finish": (folder, "finish", {"before": die}),
-        "raise": ("zload.writer", "_pwrite_all", {"before": _fail(errno.EIO, "injected write failure")}),
+        "raise": ("zload.saving.writer", "_pwrite_all", {"before": _fail(errno.EIO, "injected write failure")}),
         "raise-commit": (folder, "_commit", {"before": _fail(errno.EACCES, "injected: permission denied")}),
-        "raise-pack": ("zload.writer", "_pack", {"before": _fail(errno.EIO, "injected: cannot read")}),
-        "raise-digest": ("zload.writer", "data_digest", {"before": _fail(errno.EDQUOT, "injected: quota exceeded")}),
+        "raise-pack": ("zload.saving.writer", "_pack", {"before": _fail(errno.EIO, "injected: cannot read")}),
+        "raise-digest": ("zload.saving.writer", "data_digest", {"before": _fail(errno.EDQUOT, "injected: quota exceeded")}),
     }
     if point in points:
         owner, name, when = points[point]

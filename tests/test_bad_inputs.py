@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 
 import zload
 
-from . import models
-from .checkpoints import save_sharded
-from .harness import run_world
-from .zero3 import assert_unchanged, build_zero, load_recording_warnings, refused_load, snapshot
+from tests import models
+from tests.checkpoints import save_sharded
+from tests.harness import run_world
+from tests.zero3 import assert_unchanged, build_zero, load_recording_warnings, refused_load, snapshot
 
 
 def load_on_nodes(path, node_dirs=None, **load_kwargs):

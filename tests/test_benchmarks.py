@@ -25,7 +25,7 @@ from benchmarks.load.report import write_outputs
 from benchmarks.load.targets import evaluate_targets
 from zload.kernels.torch_scatter import scatter_cast_torch
 
-from .harness import exit_aborting_hook
+from tests.harness import exit_aborting_hook
 
 REPO = Path(__file__).resolve().parent.parent
 SIZE = "20MB"
@@ -145,9 +145,9 @@ def test_timed_stages_puts_back_what_it_timed():
     before = functions()
     with timed_stages() as seconds:
         assert all(wrapped is not own for wrapped, own in zip(functions(), before))
-        import zload.checkpoint
+        import zload.loading.agree
 
-        assert zload.checkpoint.reduce_max([3, 4]) == [3, 4]  # one process: no collective
+        assert zload.loading.agree.reduce_max([3, 4]) == [3, 4]  # one process: no collective
     assert all(now is own for now, own in zip(functions(), before))
     assert list(seconds) == ["agreement"] and seconds["agreement"] > 0
 

@@ -21,7 +21,7 @@ import zload
 
 from zload.cli import human_bytes, main
 
-from .checkpoints import save_sharded
+from tests.checkpoints import save_sharded
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -23,16 +23,16 @@ import pytest
 import torch
 
 import zload
-from zload.converting import byte_share
-from zload.save_plan import OutTensor, layout
+from zload.saving.convert import byte_share
+from zload.saving.plan import OutTensor, layout
 
-from .checkpoints import read_all
-from .harness import exit_aborting_hook, run_world
-from .models import tiny_llama_config
-from .native_checkpoints import NativeCase, deepspeed_reference, zload_reference
-from .test_native_checkpoints import CASES
-from .test_save import fill_the_disk
-from .zero3 import assert_bit_equal
+from tests.checkpoints import read_all
+from tests.harness import exit_aborting_hook, run_world
+from tests.models import tiny_llama_config
+from tests.native_checkpoints import NativeCase, deepspeed_reference, zload_reference
+from tests.test_native_checkpoints import CASES
+from tests.test_save import fill_the_disk
+from tests.zero3 import assert_bit_equal
 
 transformers = pytest.importorskip("transformers")
 
@@ -291,20 +291,20 @@ def test_zload_convert_warns_of_the_config_it_leaves_out(zero3_w2, tmp_path):
 def _convert_failing_on(rank_failing, folder, out, corrupt, how) -> tuple[str, str] | list[str]:
     import torch.distributed as dist
 
-    import zload.writer
+    import zload.saving.writer
 
-    rank, original = dist.get_rank(), zload.writer._pwrite_all
+    rank, original = dist.get_rank(), zload.saving.writer._pwrite_all
     if rank == rank_failing and how == "disk":
         def disk_full(*args):
             raise OSError(errno.ENOSPC, "injected: no space left on device")
-        zload.writer._pwrite_all = disk_full
+        zload.saving.writer._pwrite_all = disk_full
     try:
         return zload.convert(corrupt if rank == rank_failing and how == "corrupt" else folder, out,
                              staging_bytes=4096).files
     except zload.ZloadError as e:
         return type(e).__name__, str(e)
     finally:
-        zload.writer._pwrite_all = original
+        zload.saving.writer._pwrite_all = original
 
 
 @pytest.mark.parametrize("how,world", [("corrupt", 2), ("disk", 3)])

@@ -10,10 +10,10 @@ import os
 import pytest
 
 import zload
-from zload.ds_config import read_ds_config
+from zload.model.ds_config import read_ds_config
 
-from .harness import run_world
-from .zero3 import DS_CONFIG
+from tests.harness import run_world
+from tests.zero3 import DS_CONFIG
 
 ZERO3 = DS_CONFIG["zero_optimization"]
 

@@ -16,10 +16,10 @@ from safetensors.torch import save_file
 import zload
 from zload.distributed import Problem, problems_of, raise_for
 
-from . import models
-from .checkpoints import save_sharded
-from .harness import run_world
-from .zero3 import DS_CONFIG, build_zero, refusal
+from tests import models
+from tests.checkpoints import save_sharded
+from tests.harness import run_world
+from tests.zero3 import DS_CONFIG, build_zero, refusal
 
 SHARD = "model-00001-of-00002.safetensors"
 
@@ -224,7 +224,7 @@ def _from_pretrained_with_own_config(folder, configs):
 
 def test_a_ds_config_only_rank_1_cannot_read_is_the_same_error_on_every_rank(tmp_path):
     pytest.importorskip("transformers")
-    from .test_from_pretrained import _save_llama
+    from tests.test_from_pretrained import _save_llama
 
     _save_llama(tmp_path / "llama")
     readable, missing = tmp_path / "node0" / "ds.json", tmp_path / "node1" / "ds.json"

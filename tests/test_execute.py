@@ -14,15 +14,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import zload.execute as execute_module
+import zload.loading.execute as execute_module
 from zload import CheckpointError, open_checkpoint
-from zload.execute import DEFAULT_STAGING_BYTES, execute
-from zload.files import FileTable, open_regular
-from zload.index import DTYPES
+from zload.loading.execute import DEFAULT_STAGING_BYTES, execute
+from zload.checkpoint.files import FileTable, open_regular
+from zload.checkpoint.index import DTYPES
 from zload.kernels import Segment, scatter_cast
-from zload.plan import ReadItem, StagingLayout
+from zload.loading.plan import ReadItem, StagingLayout
 
-from .checkpoints import save_sharded
+from tests.checkpoints import save_sharded
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DST_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -306,7 +306,7 @@ def test_a_failed_read_stops_the_other_reader_threads(tmp_path, monkeypatch):
 
 def test_reader_count_is_this_ranks_share_of_the_cpus(monkeypatch):
     """Page-cache reads are memory copies: no more reader threads than a rank's share of the CPUs."""
-    from zload.execute import reader_count
+    from zload.distributed import reader_count
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -448,8 +448,8 @@ def test_plans_name_files_by_key_so_any_copy_of_the_checkpoint_serves_them(tmp_p
     where this rank found them; only the reader resolves a key, through the files it opened. So
     the reads planned against one copy run against another copy in another folder (another
     node's), which is what node-local sharing relies on."""
-    from zload.plan import make_plan
-    from zload.targets import FULL, Target
+    from zload.loading.plan import make_plan
+    from zload.model.targets import FULL, Target
 
     state = {"x": torch.randn(1000), "y": torch.randn(30)}
     for node in ("node0", "node1"):

@@ -11,14 +11,15 @@ from safetensors.torch import save_file
 
 import zload
 from zload import open_checkpoint
-from zload.execute import execute
-from zload.index import CheckpointIndex, TensorEntry
-from zload.names import match
-from zload.plan import make_plan
-from zload.quantized import Quantization, read_quantization
-from zload.targets import FULL, PARTITION, Partition, Target
+from zload.loading.execute import execute
+from zload.checkpoint.index import CheckpointIndex, TensorEntry
+from zload.model.names import match
+from zload.loading.plan import make_plan
+from zload.checkpoint.quantized import Quantization, read_quantization
+from zload.model.targets import FULL, PARTITION, Target
+from zload.checkpoint.partition import Partition
 
-from .fp8_checkpoints import BAD_CONFIGS, dequantize, quantize
+from tests.fp8_checkpoints import BAD_CONFIGS, dequantize, quantize
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in the Triton interpreter: NaN, inf
@@ -157,7 +158,7 @@ def test_every_config_problem_names_config_json_and_no_path(tmp_path, kind):
 
 
 def test_ranks_that_read_different_configs_agree_on_a_problem():
-    from zload.quantized import agreed_quantization
+    from zload.checkpoint.quantized import agreed_quantization
 
     a, b = Quantization("fp8", (128, 128)), Quantization("fp8", (100, 100))
     assert agreed_quantization({0: a, 2: a}) == a and agreed_quantization({}) == Quantization()
@@ -171,7 +172,7 @@ def test_a_views_fingerprint_covers_its_quantization_config(tmp_path):
     """Ranks compare fingerprints to skip exchanging views: copies whose quantization configs
     differ must not compare equal; copies that differ elsewhere in config.json, or lie elsewhere,
     must."""
-    from zload.checkpoint import local_view
+    from zload.checkpoint.views import local_view
 
     def config(name, block):
         return {"_name_or_path": name, "quantization_config": {"quant_method": "fp8", "weight_block_size": block}}
@@ -234,7 +235,7 @@ def test_partitioned_reads_dequantise_bit_exact(tmp_path, fp8_dtype, dst_dtype, 
 
 def test_staging_too_small_for_one_element_and_its_scales_is_a_problem(tmp_path):
     """Said while planning, with the size that works; it works (it was an IndexError mid-read)."""
-    from zload.plan import staging_problems
+    from zload.loading.plan import staging_problems
 
     reference = _fp8_file(tmp_path, torch.float8_e4m3fn, (5, 7))  # 'w' has 5 scales a row, 'e' 2
     with open_checkpoint(str(tmp_path / "model.safetensors")) as index:
@@ -276,7 +277,7 @@ def _fp8_segments(fp8_dtype, scale_dtype, block, g):
     e5m2, infs included) and its scales, and segments that cut it at awkward places (mid block
     row, across matrices) the way partitioned reads do: (staging, segments, numel)."""
     from zload.kernels import Dequant, Segment
-    from zload.quantized import Scale
+    from zload.checkpoint.quantized import Scale
 
     shape = (2, 37, 29)
     numel = torch.Size(shape).numel()

@@ -22,12 +22,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import zload
-from zload.execute import read_tensor
+from zload.loading.execute import read_tensor
 
-from . import models
-from .checkpoints import save_sharded
-from .harness import run_world
-from .zero3 import assert_unchanged, build_zero, check_against, snapshot
+from tests import models
+from tests.checkpoints import save_sharded
+from tests.harness import run_world
+from tests.zero3 import assert_unchanged, build_zero, check_against, snapshot
 
 CASES = 400
 

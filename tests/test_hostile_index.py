@@ -20,7 +20,7 @@ import zload
 from zload import CheckpointError, open_checkpoint
 from zload.cli import main as cli
 
-from .checkpoints import save_sharded
+from tests.checkpoints import save_sharded
 
 
 @contextlib.contextmanager
@@ -229,5 +229,5 @@ def test_the_files_stay_open_until_the_index_is_closed(tmp_path):
     before = len(os.listdir("/proc/self/fd"))
     with open_checkpoint(tmp_path) as index:
         assert len(os.listdir("/proc/self/fd")) == before + 1
-        assert isinstance(index, zload.index.CheckpointIndex)
+        assert isinstance(index, zload.checkpoint.index.CheckpointIndex)
     assert len(os.listdir("/proc/self/fd")) == before

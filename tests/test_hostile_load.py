@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 
 import zload
 
-from . import models
-from .checkpoints import save_sharded
-from .harness import run_world, run_world_where_ranks_die
-from .test_bad_inputs import _load_expecting_error, load_on_nodes
-from .zero3 import assert_unchanged, build_zero, check_against, snapshot
+from tests import models
+from tests.checkpoints import save_sharded
+from tests.harness import run_world, run_world_where_ranks_die
+from tests.test_bad_inputs import _load_expecting_error, load_on_nodes
+from tests.zero3 import assert_unchanged, build_zero, check_against, snapshot
 
 SHARD = "model-00001-of-00002.safetensors"
 
@@ -74,7 +74,7 @@ def test_deep_nesting_in_one_ranks_copy_fails_every_rank(tmp_path):
 
 def _load_failing_oddly_on(rank, path):
     """Indexing raises something no code expects, on one rank only."""
-    checkpoint = sys.modules["zload.checkpoint"]
+    checkpoint = sys.modules["zload.checkpoint.views"]
     real = checkpoint.open_checkpoint
 
     def odd(*args, **kwargs):
@@ -115,7 +115,7 @@ def test_a_fifo_fails_every_rank_without_blocking(tmp_path, fifo):
 
 def _load_while_rank0_changes(folder, how, reference):
     """Rank 0 changes a shard just before it starts reading (after every rank planned)."""
-    load = sys.modules["zload.load"]
+    load = sys.modules["zload.loading.load_into"]
     real = load.execute
     shard = os.path.join(folder, SHARD)
     other = os.path.join(os.path.dirname(folder), "other", SHARD)
@@ -251,7 +251,7 @@ def _load_while_a_rank_dies(folder, dying, where):
         def die(*args, **kwargs):
             os._exit(9)
 
-        module, name = {"indexing": ("zload.checkpoint", "local_view"), "reading": ("zload.load", "execute")}[where]
+        module, name = {"indexing": ("zload.loading.agree", "local_view"), "reading": ("zload.loading.load_into", "execute")}[where]
         getattr(sys.modules[module], name)  # AttributeError if the name moved: the patch below must take
         setattr(sys.modules[module], name, die)
     try:

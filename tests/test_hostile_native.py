@@ -24,9 +24,9 @@ import torch.distributed as dist
 import zload
 from zload.cli import main as cli
 
-from .harness import run_world
-from .models import tiny_llama_config
-from .zero3 import assert_bit_equal, assert_unchanged, build_zero, full_state, snapshot
+from tests.harness import run_world
+from tests.models import tiny_llama_config
+from tests.zero3 import assert_bit_equal, assert_unchanged, build_zero, full_state, snapshot
 
 transformers = pytest.importorskip("transformers")
 
@@ -442,7 +442,7 @@ def test_a_checkpoint_on_one_node_only(tmp_path, saved, reference):
 def _load_while_rank0_changes(folder, changed):
     """Rank 0 rewrites ``changed`` in place (same size, later mtime) after every rank planned:
     the model is partly written when the change shows, as with safetensors."""
-    load = sys.modules["zload.load"]
+    load = sys.modules["zload.loading.load_into"]
     real = load.execute
 
     def change_then_read(*args, **kwargs):
@@ -568,7 +568,7 @@ def test_what_unpickling_could_allocate_is_bounded_by_the_pickle(case):
     """The walk of a pickle's opcodes, before torch unpickles it, refuses every call torch's
     weights_only unpickler allows that could allocate more than the pickle's own size, iterate
     an object of any size, or nest objects deeper than zload's walks recurse."""
-    from zload.native import check_pickle
+    from zload.checkpoint.native import check_pickle
 
     body, why = _HOSTILE_PICKLES[case]
     with pytest.raises(ValueError, match=re.escape(why)):
@@ -580,7 +580,7 @@ def test_what_torch_save_writes_is_not_refused():
     OrderedDicts, shapes, tensors with attributes, parameters and shared objects."""
     from collections import Counter, OrderedDict
 
-    from zload.native import check_pickle
+    from zload.checkpoint.native import check_pickle
 
     shared = [1, 2]
     tensor = torch.zeros(3)
@@ -706,7 +706,7 @@ GENUINE_STEPS = {
 def test_genuine_saves_whose_step_counts_differ_load(native_checkpoint, name):
     """The control for the checks above (every other kind of save: tests/test_native_load.py):
     what DeepSpeed writes loads, bit for bit as its own reader rebuilds it."""
-    from .native_checkpoints import deepspeed_reference
+    from tests.native_checkpoints import deepspeed_reference
 
     case = native_checkpoint(**GENUINE_STEPS[name])
     loaded(case.folder, deepspeed_reference(case.folder))

@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 import zload
-from zload.hub import ALLOW_PATTERNS, download
+from zload.checkpoint.hub import ALLOW_PATTERNS, download
 
-from .checkpoints import save_sharded
-from .harness import run_world
+from tests.checkpoints import save_sharded
+from tests.harness import run_world
 
 REPO = "some-org/tiny-model"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -296,7 +296,7 @@ class Tiny(torch.nn.Module):
 
 
 def _load_repo(cache):
-    from .zero3 import build_zero, check_against
+    from tests.zero3 import build_zero, check_against
 
     with hub_cache(cache):
         model = build_zero(Tiny)

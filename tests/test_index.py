@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 
 import zload
 from zload import CheckpointError, open_checkpoint
-from zload.index import DTYPES, MAX_HEADER_BYTES, read_header
+from zload.checkpoint.index import DTYPES, MAX_HEADER_BYTES, read_header
 
-from .checkpoints import save_sharded
+from tests.checkpoints import save_sharded
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:

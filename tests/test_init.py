@@ -12,10 +12,12 @@ from safetensors.torch import save_file
 
 import zload
 
-from . import models
-from .harness import run_world
-from .zero3 import (DS_CONFIG, Refused, bad_ds_configs, check_against, dtype_config, load_expected,
-                    load_recording_warnings, refusal)
+from tests import models
+from tests.harness import run_world
+from tests.zero3 import (
+    DS_CONFIG, Refused, bad_ds_configs, check_against, dtype_config, load_expected, load_recording_warnings,
+    refusal,
+)
 
 
 def _count_calls(build):

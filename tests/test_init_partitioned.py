@@ -21,10 +21,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zload
+from zload.model import init as init_module
 
-from . import models
-from .harness import run_world
-from .zero3 import assert_bit_equal, check_against, dtype_config, gathered, load_expected
+from tests import models
+from tests.harness import run_world
+from tests.zero3 import assert_bit_equal, check_against, dtype_config, gathered, load_expected
 
 
 class Wide(nn.Module):
@@ -131,7 +132,7 @@ def _large_partitions_written_while_building():
     with _Writes() as seen, zload.init(dtype_config(torch.bfloat16)):
         model = LargeAndSmall()
     large, small = model.large.weight.ds_tensor, model.small.weight.ds_tensor
-    assert large.nbytes >= zload.building.FRESH_PAGES_FROM > small.nbytes
+    assert large.nbytes >= init_module.FRESH_PAGES_FROM > small.nbytes
     assert not large.any() and not small.any()
     return [n for n in seen.written if n >= large.nbytes], [n for n in seen.written if n == small.nbytes]
 
@@ -277,7 +278,7 @@ def _trained(build_context, path, config):
 
 def _train_like_zero_init(path, hpz, offload, out, fresh_pages_from):
     config = _engine_config(hpz, offload)
-    with mock.patch.object(zload.building, "FRESH_PAGES_FROM", fresh_pages_from):
+    with mock.patch.object(init_module, "FRESH_PAGES_FROM", fresh_pages_from):
         return _train_and_save(path, config, out)
 
 
@@ -303,8 +304,8 @@ def _train_and_save(path, config, out):
 
 
 @pytest.mark.parametrize("world,hpz,offload,fresh_pages_from", [
-    (1, 1, False, zload.building.FRESH_PAGES_FROM), (2, 2, False, zload.building.FRESH_PAGES_FROM),
-    (3, 1, True, 0), (4, 2, False, zload.building.FRESH_PAGES_FROM)])
+    (1, 1, False, init_module.FRESH_PAGES_FROM), (2, 2, False, init_module.FRESH_PAGES_FROM),
+    (3, 1, True, 0), (4, 2, False, init_module.FRESH_PAGES_FROM)])
 def test_trains_and_saves_like_zero_init(tmp_path, world, hpz, offload, fresh_pages_from):
     """deepspeed.initialize with an optimizer, a step, GatheredParameters and zload.save, with
     persistent parameters, hpZ, and parameters and optimizer offloaded to host memory; at W=3 every
@@ -542,7 +543,7 @@ print("built")
 def test_meta_operations_work_in_a_process_that_never_imported_dynamo():
     """A meta operation imports torch._dynamo on first use, which fails under zero.Init's
     Tensor.__new__ (also when zload.init is opened inside zero.Init)."""
-    from .harness import free_port
+    from tests.harness import free_port
 
     done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(free_port())], capture_output=True,
                           text=True, timeout=300)

@@ -9,8 +9,8 @@ import torch
 
 import zload
 
-from .harness import run_world
-from .zero3 import build_zero, check_against
+from tests.harness import run_world
+from tests.zero3 import build_zero, check_against
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,11 +96,7 @@ def test_deferred_registry_hands_out_transformers_own_transforms():
 
     from transformers import conversion_mapping, core_model_loading
 
-    from zload.integrations.transformers_registry import (
-        _build_deferred_registry,
-        _DeferredTransform,
-        _LazyPattern,
-    )
+    from zload.integrations.transformers_registry import _build_deferred_registry, _DeferredTransform, _LazyPattern
 
     deferred = _build_deferred_registry(conversion_mapping, core_model_loading)
     assert conversion_mapping.WeightRenaming is core_model_loading.WeightRenaming  # module untouched

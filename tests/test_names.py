@@ -8,14 +8,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 import zload
-from zload.index import CheckpointIndex, TensorEntry
+from zload.checkpoint.index import CheckpointIndex, TensorEntry
 from zload.integrations.peft import peft_role
-from zload.names import align_prefix, apply_key_map, match
-from zload.targets import FULL, Target, collect_targets
+from zload.model.names import align_prefix, apply_key_map, match
+from zload.model.targets import FULL, Target, collect_targets
 
-from . import models
-from .harness import run_world
-from .zero3 import build_zero, check_against
+from tests import models
+from tests.harness import run_world
+from tests.zero3 import build_zero, check_against
 
 
 def test_key_map_regexes_apply_in_order():
@@ -73,7 +73,7 @@ def test_only_the_integrations_touch_transformers_or_peft():
     import ast
     from pathlib import Path
 
-    from zload import names
+    from zload.model import names
     from zload.integrations import peft, transformers
 
     for path in Path(names.__file__).parent.glob("*.py"):

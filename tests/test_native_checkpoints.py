@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .native_checkpoints import DTYPES, NativeCase, deepspeed_reference
-from .zero3 import assert_bit_equal
+from tests.native_checkpoints import DTYPES, NativeCase, deepspeed_reference
+from tests.zero3 import assert_bit_equal
 
 pytest.importorskip("transformers")
 

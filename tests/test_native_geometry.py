@@ -13,8 +13,8 @@ from math import ceil, prod
 
 import pytest
 
-from zload.index import DTYPES
-from zload.native import NativeLayout, Stored, native_entries
+from zload.checkpoint.index import DTYPES
+from zload.checkpoint.native import NativeLayout, Stored, native_entries
 
 PAD = "pad"
 
@@ -276,7 +276,7 @@ def test_an_empty_tensor_lies_in_a_file_of_the_checkpoint():
 
 def test_a_nest_of_shared_lists_prints_briefly():
     """A hostile value in a message: 2**60 items if printed whole."""
-    from zload.index import brief
+    from zload.report import brief
 
     nest = [1]
     for _ in range(60):

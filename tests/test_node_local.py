@@ -16,10 +16,10 @@ from safetensors.torch import save_file
 
 import zload
 
-from . import models
-from .checkpoints import save_sharded
-from .harness import free_port, run_world
-from .zero3 import build_zero, check_against
+from tests import models
+from tests.checkpoints import save_sharded
+from tests.harness import free_port, run_world
+from tests.zero3 import build_zero, check_against
 
 NODE_SCRIPT = Path(__file__).with_name("node_local_rank.py")
 
@@ -48,7 +48,7 @@ def _checkpoint(tmp_path, seed):
 def test_a_view_fingerprints_the_files_and_headers_it_sees(tmp_path):
     """Equal fingerprints are how ranks skip exchanging their views: equal for the same checkpoint
     anywhere on disk, different for a missing shard or a different header."""
-    from zload.checkpoint import local_view
+    from zload.checkpoint.views import local_view
 
     state, folder, _ = _checkpoint(tmp_path, seed=30)
     copy = Path(shutil.copytree(folder, tmp_path / "node1" / "ckpt"))
@@ -92,7 +92,7 @@ def test_a_whole_copy_on_every_node(tmp_path):
 
 def _load_while_the_reader_fails(node_dirs):
     """Rank 0 serves the others; its second batch read fails (a disk error mid-transfer)."""
-    reader = sys.modules["zload.execute"].RangeReader
+    reader = sys.modules["zload.loading.execute"].RangeReader
     real, calls = reader.read, []
 
     def failing_on_the_second_batch(self, ranges):
@@ -169,7 +169,7 @@ def test_two_torchrun_nodes(tmp_path):
 
 
 def _load_transposed_on_node(node_dirs, reference_folder):
-    from .test_load_converted import MODELS
+    from tests.test_load_converted import MODELS
 
     cls, make_config = MODELS["transposed_llama"]
     reference = cls.from_pretrained(reference_folder).state_dict()
@@ -187,7 +187,7 @@ def _load_transposed_on_node(node_dirs, reference_folder):
 def test_conversion_slow_path_reads_on_the_node_with_the_files(tmp_path):
     """The rank that converts a transposed tensor must be one that can read it: here only rank 0."""
     pytest.importorskip("transformers")
-    from .test_load_converted import MODELS
+    from tests.test_load_converted import MODELS
 
     cls, make_config = MODELS["transposed_llama"]
     torch.manual_seed(34)

@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import zload.execute as execute_module
-import zload.pagecache as pagecache
+import zload.loading.execute as execute_module
+import zload.checkpoint.pagecache as pagecache
 from zload import open_checkpoint
-from zload.digest import sample_digests, sample_windows
-from zload.execute import RangeReader, byte_view
+from zload.checkpoint.digest import sample_digests, sample_windows
+from zload.loading.execute import RangeReader, byte_view
 
 MB = 1 << 20
 
@@ -446,8 +446,8 @@ def _cold_load_with_one_reader(path):
     """A rank of a ZeRO-3 world loading with one reader thread (so it reads ahead): whether its
     partitions are right, its pulls, and the (offset, length) of what its data sample brought into
     the page cache and forgot."""
-    import zload.checkpoint as checkpoint_module
-    from .zero3 import build_zero, check_against, load_expected
+    import zload.checkpoint.views as checkpoint_module
+    from tests.zero3 import build_zero, check_against, load_expected
 
     model = build_zero(TwoBigTensors)
     pulled, forgotten = [], []
@@ -470,7 +470,7 @@ def test_a_cold_zero3_load_is_pulled_and_bit_exact_at_every_rank(tmp_path, world
     reads, the ranks forget the sampled windows they brought in (all of them, between
     them), and the partitions equal the checkpoint's bytes, at a world size that divides the
     tensors and one that does not."""
-    from .harness import run_world
+    from tests.harness import run_world
 
     path = tmp_path / "model.safetensors"
     save_file({"a": torch.randn(1023, 1025), "b": torch.randn(1_000_003)}, str(path))

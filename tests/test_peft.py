@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 
 import zload
 
-from .harness import run_world
-from .models import tiny_llama_config
-from .zero3 import assert_bit_equal, build_zero, check_against, gathered
+from tests.harness import run_world
+from tests.models import tiny_llama_config
+from tests.zero3 import assert_bit_equal, build_zero, check_against, gathered
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -294,7 +294,7 @@ def test_merged_lora_attention_weights_are_targets():
     """PEFT's LoRA ``MultiheadAttention`` keeps its merged weights as plain attributes and puts
     them back as parameters in its own ``named_modules``: zload must walk the model through it, or
     those weights are silently neither loaded nor saved."""
-    from zload.targets import collect_targets
+    from zload.model.targets import collect_targets
 
     class Attending(torch.nn.Module):
         def __init__(self):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from zload.index import CheckpointIndex, TensorEntry
-from zload.plan import collectives_differing, make_plan
-from zload.targets import FULL, ORPHAN, PARTITION, Partition, Target
+from zload.checkpoint.index import CheckpointIndex, TensorEntry
+from zload.loading.plan import collectives_differing, make_plan
+from zload.model.targets import FULL, ORPHAN, PARTITION, Target
+from zload.checkpoint.partition import Partition
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .harness import exit_aborting_hook
+from tests.harness import exit_aborting_hook
 
 REPO = Path(__file__).resolve().parent.parent
 

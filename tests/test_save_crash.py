@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 import zload
 
-from . import models
+from tests import models
 
 RANK_SCRIPT = Path(__file__).with_name("save_crash_rank.py")
 REPO = Path(__file__).parent.parent

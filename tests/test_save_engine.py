@@ -20,15 +20,15 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 import zload
-from zload.save_plan import parse_size
+from zload.saving.plan import parse_size
 
-from .checkpoints import metadata_with_digest, read_all
-from .harness import run_world
-from .models import tiny_llama_config
-from .zero3 import assert_bit_equal, check_against, full_state, randomize
+from tests.checkpoints import metadata_with_digest, read_all
+from tests.harness import run_world
+from tests.models import tiny_llama_config
+from tests.zero3 import assert_bit_equal, check_against, full_state, randomize
 
 transformers = pytest.importorskip("transformers")
-from .test_load_converted import MODELS, _build_nested_zero3
+from tests.test_load_converted import MODELS, _build_nested_zero3
 
 SHARD = "20KB"
 ENGINE_CONFIG = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
@@ -403,7 +403,7 @@ def test_parse_max_shard_size():
 def test_dtype_leaves_integer_buffers_and_int_sizes_work(tmp_path):
     """In this process (no torch.distributed): ``dtype`` casts floating tensors only; an int
     ``max_shard_size`` is bytes; ``master_weights`` needs an engine."""
-    from . import models
+    from tests import models
 
     torch.manual_seed(0)
     model = models.Awkward()

@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from zload.plan import staging_batches
-from zload.save_plan import OutTensor, layout, make_save_plan
-from zload.targets import FULL, PARTITION, Partition, Target, dtype_name
+from zload.loading.plan import staging_batches
+from zload.saving.plan import OutTensor, layout, make_save_plan
+from zload.model.targets import FULL, PARTITION, Target, dtype_name
+from zload.checkpoint.partition import Partition
 
 SHAPES = {"embed.weight": ((7, 5), torch.bfloat16), "norm.weight": ((5,), torch.float32),
           "proj.weight": ((11, 3), torch.float32), "steps": ((2,), torch.int64), "bias": ((1,), torch.bfloat16)}

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import zload
-from zload.savedir import LOCK, MANIFEST, STAGING_PREFIX, SaveFolder
+from zload.saving.folder import LOCK, MANIFEST, STAGING_PREFIX, SaveFolder
 
 
 def _killed_save(folder, token, manifest=None, lock=True, staged=()):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from zload.targets import FULL, collect_targets
+from zload.model.targets import FULL, collect_targets
 
 
 def test_targets_name_every_alias_in_module_order_with_buffer_persistence():

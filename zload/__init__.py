@@ -5,17 +5,27 @@ Each rank reads (or writes) only the bytes of the partitions it owns; nothing is
 
 import logging
 
-from .checkpoint import open_checkpoint
-from .converting import convert
-from .errors import (ArgumentTypeError, ArgumentValueError, CheckpointError, CheckpointNotFoundError,
-                     InvalidCheckpointError, PeerLostError, PlanError, WriteError, ZloadError, ZloadWarning)
-from .index import CheckpointIndex
-from .building import init
-from .integrations.transformers import from_pretrained
-from .load import load_into
-from .names import KeyMap
+from .checkpoint.index import CheckpointIndex
+from .checkpoint.open import open_checkpoint
+from .errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidCheckpointError,
+    PeerLostError,
+    PlanError,
+    WriteError,
+    ZloadError,
+    ZloadWarning,
+)
+from .loading.load_into import load_into
+from .model.init import init
+from .model.names import KeyMap
+from .pretrained import from_pretrained
 from .report import LoadReport, SaveReport
-from .saving import save
+from .saving.convert import convert
+from .saving.save import save
 
 __version__ = "0.1.0"
 

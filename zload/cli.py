@@ -8,12 +8,12 @@
 PATH is what ``load_into`` takes: a file, an index, a folder, or a Hub repo id (``--revision``),
 found the same way (``checkpoint.open_source``). Every command validates the checkpoint exactly as
 ``load_into`` does (every header is read and checked, no tensor data). A bad checkpoint prints
-``zload: error: ...`` with the file and tensor at fault and exits 2, without a traceback; ``validate`` exits 1 instead, so a
-CI script can tell "invalid checkpoint" from "bad command line". Each command builds one plain
-dict, which ``--json`` prints as is and the text output renders, so the two cannot disagree.
-``convert`` writes a DeepSpeed checkpoint as safetensors (``zload.convert``); launched by torchrun
-(``torchrun --nproc_per_node N -m zload convert ...``), its processes join one gloo group and
-each writes a share.
+``zload: error: ...`` with the file and tensor at fault and exits 2, without a traceback;
+``validate`` exits 1 instead, so a CI script can tell "invalid checkpoint" from "bad command line".
+Each command builds one plain dict, which ``--json`` prints as is and the text output renders, so
+the two cannot disagree. ``convert`` writes a DeepSpeed checkpoint as safetensors
+(``zload.convert``); launched by torchrun (``torchrun --nproc_per_node N -m zload convert ...``),
+its processes join one gloo group and each writes a share.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import sys
 from collections import Counter
 
 from . import __version__
-from .checkpoint import open_source
-from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch
+from .checkpoint.digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch
+from .checkpoint.index import CheckpointIndex
+from .checkpoint.open import open_source
+from .checkpoint.partition import Partition
+from .checkpoint.quantized import FP8, pair_scales, read_quantization
+from .distributed import reader_count
 from .errors import InvalidCheckpointError, ZloadError
-from .execute import reader_count
-from .index import CheckpointIndex
-from .quantized import FP8, pair_scales, read_quantization
 from .report import plural
-from .targets import Partition
 
 DEFAULT_LIMIT = 50
 _BYTE_UNITS = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB"))
@@ -280,7 +280,7 @@ def _convert(args) -> int:
     """``zload convert``: one process, or each process of a torchrun launch (``WORLD_SIZE``)."""
     import torch.distributed as dist
 
-    from .converting import convert
+    from .saving.convert import convert
 
     joined = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
     if joined:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import traceback
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -21,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors
-from .index import brief
-from .report import ranks_named, shortened
+from .report import brief, ranks_named, shortened
 
 logger = logging.getLogger("zload")
 
@@ -200,3 +200,23 @@ def problems_of(doing: str, call) -> tuple[object, list[Problem]]:
     except Exception as e:  # a bug or an environment error must not leave other ranks hanging
         logger.error("zload: unexpected error while %s:\n%s", doing, traceback.format_exc())
         return None, [Problem(errors.ZloadError, f"unexpected error while {doing}: {type(e).__name__}: {e}")]
+
+
+DEFAULT_READ_THREADS = 4  # readers per rank (the calling thread included), at most
+
+
+def local_ranks() -> int:
+    """Ranks on this node (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from the DeepSpeed
+    launcher; 1 when neither says)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
+    return max(1, int(local)) if local.isdigit() else 1
+
+
+def reader_count(limit: int = DEFAULT_READ_THREADS) -> int:
+    """Reader threads for this rank: ``limit``, but at most its share of the usable CPUs among the
+    ranks of this node."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(limit, cpus // local_ranks()))

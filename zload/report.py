@@ -1,8 +1,22 @@
-"""LoadReport: what a load did on this rank, for logs and for tests."""
+"""What a load or save did on this rank (``LoadReport``, ``SaveReport``), and the text helpers that
+keep every message short whatever the input holds."""
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
+
+_NESTED = reprlib.Repr()  # keyword arguments only from Python 3.12
+_NESTED.maxlevel, _NESTED.maxstring, _NESTED.maxother, _NESTED.maxlong = 3, 60, 60, 60
+_NESTED.maxtuple = _NESTED.maxlist = _NESTED.maxdict = _NESTED.maxset = _NESTED.maxfrozenset = 8
+
+
+def brief(value, limit: int = 200) -> str:
+    """``repr(value)``, cut short: a hostile header must not make a 100 MB error message that
+    every rank then exchanges, nor a nest of shared lists one that takes 2**depth steps to print
+    (containers are printed a few items and levels deep)."""
+    text = repr(value) if isinstance(value, (str, bytes, int, float, type(None))) else _NESTED.repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
 
 
 def plural(n: int, word: str) -> str:

@@ -56,7 +56,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks
 REPO = os.path.dirname(HERE)
 METHODS = ("floor", "ceiling", "ceiling-1", "alloc-floor", "zload", "zload+init", "dcp", "dcp-after-zero.Init",
            "dcp-after-zload.init", "transformers")
-DEFAULT_STAGING = 64 << 20  # zload's default staging_bytes (zload.execute.DEFAULT_STAGING_BYTES)
+DEFAULT_STAGING = 64 << 20  # zload's default staging_bytes (zload.loading.execute.DEFAULT_STAGING_BYTES)
 SLACK = 64_000_000  # the memory target: growth <= staging + 64 MB
 MB = 1e6
 

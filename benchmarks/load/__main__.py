@@ -10,32 +10,18 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from . import DEFAULT_STAGING, HERE, MB, METHODS, log
-from .checkpoint import (
-    checkpoint_bytes,
-    checkpoint_dir,
-    checkpoint_files,
-    ensure_checkpoint,
-    evict_page_cache,
-    llama_config,
-    parse_bytes,
-    parse_size_spec,
-    warm_page_cache,
+from benchmarks.load import DEFAULT_STAGING, HERE, MB, METHODS, log
+from benchmarks.load.checkpoint import (
+    checkpoint_bytes, checkpoint_dir, checkpoint_files, ensure_checkpoint, evict_page_cache, llama_config,
+    parse_bytes, parse_size_spec, warm_page_cache,
 )
-from .launch import TorchrunWorld, cuda_available, measure_local, scratch_folders
-from .report import (
-    default_name,
-    fmt_mb,
-    fmt_s,
-    host_info,
-    markdown,
-    summarize,
-    summarize_run,
-    write_outputs,
+from benchmarks.load.launch import TorchrunWorld, cuda_available, measure_local, scratch_folders
+from benchmarks.load.report import (
+    default_name, fmt_mb, fmt_s, host_info, markdown, summarize, summarize_run, write_outputs,
     zload_source_hash,
 )
-from .targets import evaluate_targets
-from .worker import worker_main
+from benchmarks.load.targets import evaluate_targets
+from benchmarks.load.worker import worker_main
 
 
 def parse_args(argv=None):

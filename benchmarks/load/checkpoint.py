@@ -11,13 +11,13 @@ import subprocess
 import tempfile
 import time
 
-from . import log
+from benchmarks.load import log
 
 
 def parse_bytes(text: str) -> int:
     """A size as ``zload.save(max_shard_size=...)`` reads it (``300MB``, ``64MiB``, bytes)."""
     from zload.errors import ZloadError
-    from zload.save_plan import parse_size  # imported here: the launcher itself does not load torch
+    from zload.saving.plan import parse_size  # imported here: the launcher itself does not load torch
 
     try:
         return parse_size(text)

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 
-from . import REPO, log
+from benchmarks.load import REPO, log
 
 
 def free_port() -> int:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from .checkpoint import checkpoint_bytes, checkpoint_files
-from .stages import timed_stages
+from benchmarks.load.checkpoint import checkpoint_bytes, checkpoint_files
+from benchmarks.load.stages import timed_stages
 
 CEILING_BLOCK = 16 << 20  # bytes per os.preadv of the device ceiling
 CEILING_THREADS = 4  # the device ceiling's parallel readers (``ceiling-1``: one)
@@ -87,7 +87,7 @@ def verify_partitions(model, folder: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from zload.index import DTYPES
+    from zload.checkpoint.index import DTYPES
 
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -246,7 +246,7 @@ def dcp_state_dict(folder: str) -> dict:
     from torch.distributed.tensor import Shard, empty
 
     from zload import open_checkpoint
-    from zload.index import DTYPES
+    from zload.checkpoint.index import DTYPES
 
     mesh = init_device_mesh(partition_device(), (dist.get_world_size(),))
     with open_checkpoint(folder) as index:

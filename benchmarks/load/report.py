@@ -11,8 +11,8 @@ import statistics
 import subprocess
 import time
 
-from . import MB, REPO, log
-from .stages import stage_medians, stage_table, stages_of_run
+from benchmarks.load import MB, REPO, log
+from benchmarks.load.stages import stage_medians, stage_table, stages_of_run
 
 CEILINGS = ("ceiling", "ceiling-1")  # the device ceiling with four reader threads a rank, with one
 UNTIMED_CONSTRUCT = ("floor", *CEILINGS, "dcp")  # their buffers or partitions are made before timing

@@ -12,10 +12,10 @@ import time
 # The stages of a load_into, timed in the measured load: (zload module, function, stage). On the
 # usual path (one whole checkpoint that every rank sees) each function runs once per load;
 # "agreement" also waits for the slowest rank's planning, "end agreement" for its reads.
-ZLOAD_STAGES = (("checkpoint", "local_view", "headers + sample"), ("load", "collect_targets", "planning"),
-                ("load", "match", "planning"), ("load", "make_plan", "planning"),
-                ("checkpoint", "reduce_max", "agreement"), ("load", "execute", "reads"),
-                ("load", "agree", "end agreement"))
+ZLOAD_STAGES = (("loading.agree", "local_view", "headers + sample"),
+                ("loading.load_into", "collect_targets", "planning"), ("loading.load_into", "match", "planning"),
+                ("loading.load_into", "make_plan", "planning"), ("loading.agree", "reduce_max", "agreement"),
+                ("loading.load_into", "execute", "reads"), ("loading.load_into", "agree", "end agreement"))
 
 
 @contextlib.contextmanager

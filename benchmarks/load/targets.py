@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from . import MB, SLACK
-from .report import CEILINGS, DCP_AFTER, fmt_s
+from benchmarks.load import MB, SLACK
+from benchmarks.load.report import CEILINGS, DCP_AFTER, fmt_s
 
 
 def met(ok: bool) -> str:

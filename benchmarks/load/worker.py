@@ -9,9 +9,9 @@ import os
 import threading
 import time
 
-from . import exit_without_teardown
-from .checkpoint import evict_page_cache, page_cache_residency
-from .methods import RUNNERS, partition_bytes
+from benchmarks.load import exit_without_teardown
+from benchmarks.load.checkpoint import evict_page_cache, page_cache_residency
+from benchmarks.load.methods import RUNNERS, partition_bytes
 
 
 POINT_TO_POINT = ("recv", "irecv")

@@ -7,7 +7,7 @@ peft itself is never imported: a module can only be a ``PeftModel`` once its use
 from __future__ import annotations
 
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def peft_info(module):

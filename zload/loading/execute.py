@@ -25,27 +25,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .distributed import rank_and_world
-from .errors import CheckpointError
-from .files import FileTable, OpenFile
-from .index import DTYPES
-from .kernels import Dequant, Segment, scatter_cast
-from .pagecache import ReadAhead
+from ..checkpoint.files import FileTable, OpenFile
+from ..checkpoint.index import DTYPES
+from ..checkpoint.pagecache import ReadAhead
+from ..distributed import local_ranks, rank_and_world, reader_count
+from ..errors import CheckpointError
+from ..kernels import Dequant, Segment, scatter_cast
+from ..progress import Progress
 from .plan import ALIGN, ReadItem, StagingLayout, align
-from .progress import Progress
 
 DEFAULT_STAGING_BYTES = 64 << 20  # both staging buffers together
-DEFAULT_READ_THREADS = 4  # readers per rank (the calling thread included), at most
 _IOV_MAX = 1024  # buffers per preadv call (Linux IOV_MAX)
 _RUN_BYTES = 16 << 20  # longer runs are split so that the reader threads can share them
 READ_AHEAD_BYTES = 64 << 20  # uncached bytes brought in ahead of the readers (measured: 32-256 MB alike)
-
-
-def local_ranks() -> int:
-    """Ranks on this node (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from the DeepSpeed
-    launcher; 1 when neither says)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
-    return max(1, int(local)) if local.isdigit() else 1
 
 
 def gap_ranks() -> int:
@@ -54,16 +46,6 @@ def gap_ranks() -> int:
     reads every byte of such a gap anyway), none when other nodes' ranges lie in the gaps."""
     local = local_ranks()
     return local - 1 if rank_and_world()[1] <= local else 0
-
-
-def reader_count(limit: int = DEFAULT_READ_THREADS) -> int:
-    """Reader threads for this rank: ``limit``, but at most its share of the usable CPUs among the
-    ranks of this node."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(limit, cpus // local_ranks()))
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

@@ -12,41 +12,12 @@ from typing import Any
 
 import torch
 
-from .errors import ArgumentTypeError
+from ..checkpoint.partition import Partition
+from ..errors import ArgumentTypeError
 
 PARTITION = "partition"  # ZeRO-3 parameter: this rank owns a flat slice, written into ds_tensor
 FULL = "full"  # plain parameter or buffer: every rank writes the whole tensor
 ORPHAN = "orphan"  # plain [0]-shaped parameter re-created after zero.Init: shape comes from the file
-
-
-@dataclass(frozen=True)
-class Partition:
-    """The flat element range ``[start, start + size)`` one rank owns of an ``numel``-element tensor.
-
-    Mirrors DeepSpeed's ``_partition_param``: ``size = ceil(numel / world)``; the last ranks may
-    own fewer valid elements than ``size``, or none, and the rest of their slice is padding.
-    ``size``, ``start`` and ``valid`` are worked out once: a load asks for them several times for
-    each of hundreds of parameters.
-    """
-
-    numel: int
-    world: int
-    rank: int
-    size: int = field(init=False, repr=False, compare=False)
-    start: int = field(init=False, repr=False, compare=False)
-    valid: int = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        size = -(-self.numel // self.world)
-        start = self.rank * size
-        object.__setattr__(self, "size", size)
-        object.__setattr__(self, "start", start)
-        object.__setattr__(self, "valid", max(0, min(size, self.numel - start)))
-
-    @property
-    def owned(self) -> tuple[int, int]:
-        """``[low, high)``: the elements of the full tensor this rank's partition holds."""
-        return self.start, self.start + self.valid
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,20 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .checkpoint import SharedIndex
-from .distributed import BATCH_FAILED, BATCH_OK, Problem, collective, comm_device, exchange, problems_of, rank_and_world
-from .errors import CheckpointError
+from ..checkpoint.views import SharedIndex
+from ..distributed import (
+    BATCH_FAILED,
+    BATCH_OK,
+    Problem,
+    collective,
+    comm_device,
+    exchange,
+    problems_of,
+    rank_and_world,
+)
+from ..errors import CheckpointError
+from ..kernels import Segment, scatter_cast
 from .execute import DEFAULT_STAGING_BYTES, RangeReader, byte_view
-from .kernels import Segment, scatter_cast
 from .plan import ALIGN, ReadItem, staging_batches
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-from .index import DTYPES, CheckpointIndex, brief
-from .names import Matching, Source, match
-from .quantized import Scale
-from .report import ranks_named, shortened
-from .targets import ORPHAN, PARTITION, Target
+from ..checkpoint.index import DTYPES, CheckpointIndex
+from ..checkpoint.pieces import Source
+from ..checkpoint.quantized import Scale
+from ..model.names import Matching, match
+from ..model.targets import ORPHAN, PARTITION, Target
+from ..report import brief, ranks_named, shortened
 
 _FLOATING = {"float16", "bfloat16", "float32", "float64"}
 ALIGN = 64  # staging placement; keeps every dtype view aligned

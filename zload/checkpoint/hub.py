@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
-from .distributed import Problem, agree, rank_and_world
-from .errors import CheckpointError, CheckpointNotFoundError
+from ..distributed import Problem, agree, rank_and_world
+from ..errors import CheckpointError, CheckpointNotFoundError
 
 logger = logging.getLogger("zload")
 

@@ -37,10 +37,11 @@ import zipfile
 from dataclasses import dataclass
 from math import prod
 
-from .errors import CheckpointNotFoundError, InvalidCheckpointError
+from ..errors import CheckpointNotFoundError, InvalidCheckpointError
+from ..report import brief
 from .files import FileTable, OpenFile, open_regular
-from .index import DTYPES, MAX_HEADER_BYTES, CheckpointIndex, Fragment, TensorEntry, brief, pread_exactly, shard_path
-from .targets import Partition
+from .index import DTYPES, MAX_HEADER_BYTES, CheckpointIndex, Fragment, TensorEntry, pread_exactly, shard_path
+from .partition import Partition
 
 LATEST = "latest"  # the file save_checkpoint writes: the tag of the newest checkpoint
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
@@ -935,7 +936,8 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
         """Each file of a rank bears (inside) the name it was saved under: a copy of another
         rank's file of the same sizes would otherwise load as silently wrong values."""
         for file in files:
-            if file.written_as != file.key and any(p.fullmatch(file.written_as) for p in (_OPTIM_STATES, _MODEL_STATES)):
+            saved_as_a_rank_file = any(p.fullmatch(file.written_as) for p in (_OPTIM_STATES, _MODEL_STATES))
+            if file.written_as != file.key and saved_as_a_rank_file:
                 raise file.invalid(f"was written as {file.written_as} (torch.save names the archive inside after "
                                    "the file): another rank's file copied over this one? Copy the save again")
 
@@ -1011,7 +1013,8 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
                         {n: s.dtype for n, s in module.items()}, dict(shared), _sliced(states) if stage < 3 else None)
 
 
-def read_native(folder: str, table: FileTable, module_weights: bool = False) -> tuple[NativeLayout, dict[str, TensorEntry]]:
+def read_native(folder: str, table: FileTable,
+                module_weights: bool = False) -> tuple[NativeLayout, dict[str, TensorEntry]]:
     """The layout of the DeepSpeed checkpoint in tag folder ``folder`` and its tensors
     (``native_entries``), its files opened into ``table``; raises if they do not agree."""
     layout = read_layout(folder, table)

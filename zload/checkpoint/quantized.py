@@ -27,8 +27,9 @@ import os
 from dataclasses import dataclass
 from math import prod
 
-from .errors import ZloadError
-from .index import CheckpointIndex, TensorEntry, brief, read_json_file
+from ..errors import ZloadError
+from ..report import brief
+from .index import CheckpointIndex, TensorEntry, read_json_file
 
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # appended to the weight's name
 DEFAULT_BLOCK = (128, 128)

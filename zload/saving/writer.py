@@ -14,23 +14,32 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy
-
 import torch
 
-from .digest import block_count, block_digests, data_digest
-from .distributed import (BATCH_FAILED, BATCH_OK, Problem, agree, collective, comm_device, exchange, problems_of,
-                          rank_and_world)
-from .errors import WriteError, ZloadError
-from .execute import byte_view, execute, reader_count
-from .files import FileTable
-from .index import DTYPES, TensorEntry
-from .integrations.peft import peft_info
-from .integrations.transformers import revert_conversion
-from .plan import ALIGN, ReadItem, align, staging_batches
-from .progress import Progress
-from .save_plan import OutFile, WriteItem
-from .savedir import SaveFolder, writing
-from .targets import ORPHAN, PARTITION, Target
+from ..checkpoint.digest import block_count, block_digests, data_digest
+from ..checkpoint.files import FileTable
+from ..checkpoint.index import DTYPES, TensorEntry
+from ..distributed import (
+    BATCH_FAILED,
+    BATCH_OK,
+    Problem,
+    agree,
+    collective,
+    comm_device,
+    exchange,
+    problems_of,
+    rank_and_world,
+    reader_count,
+)
+from ..errors import WriteError, ZloadError
+from ..integrations.peft import peft_info
+from ..integrations.transformers import revert_conversion
+from ..loading.execute import byte_view, execute
+from ..loading.plan import ALIGN, ReadItem, align, staging_batches
+from ..model.targets import ORPHAN, PARTITION, Target
+from ..progress import Progress
+from .folder import SaveFolder, writing
+from .plan import OutFile, WriteItem
 
 
 def partition_sources(targets: list[Target], master_weights: bool) -> dict[int, torch.Tensor]:

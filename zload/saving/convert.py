@@ -26,20 +26,21 @@ from math import ceil, prod
 
 import torch
 
-from . import save_plan, writer
-from .checkpoint import LocalView, share_index, viewed
-from .collector import collector_paused
-from .distributed import agree, problems_of, rank_and_world, stage
-from .errors import ArgumentValueError, CheckpointError, CheckpointNotFoundError, ZloadWarning
-from .execute import DEFAULT_STAGING_BYTES
-from .files import FileTable, open_regular
-from .index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry, brief, read_json
-from .native import LATEST, converted_tensors, native_folder, read_native
-from .progress import progress_for
-from .report import SaveReport
-from .save_plan import OutFile, OutTensor, WriteItem
-from .savedir import writing
-from .saving import write_checkpoint
+from ..checkpoint.files import FileTable, open_regular
+from ..checkpoint.index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry, read_json
+from ..checkpoint.native import LATEST, converted_tensors, native_folder, read_native
+from ..checkpoint.views import LocalView, share_index, viewed
+from ..collector import collector_paused
+from ..distributed import agree, problems_of, rank_and_world, stage
+from ..errors import ArgumentValueError, CheckpointError, CheckpointNotFoundError, ZloadWarning
+from ..loading.execute import DEFAULT_STAGING_BYTES
+from ..progress import progress_for
+from ..report import SaveReport, brief
+from . import plan as save_plan
+from . import writer
+from .folder import writing
+from .plan import OutFile, OutTensor, WriteItem
+from .save import write_checkpoint
 
 WEIGHTS = ("master", "module")
 CONFIG = "config.json"  # copied from the folder holding the tag folder (an HF Trainer checkpoint-N/)

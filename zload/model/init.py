@@ -37,10 +37,10 @@ from contextlib import ExitStack, contextmanager, nullcontext
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .collector import collector_paused
+from ..collector import collector_paused
+from ..errors import ZloadError
+from ..integrations.transformers import skip_weight_init
 from .ds_config import read_ds_config, refuse_weight_quantization
-from .errors import ZloadError
-from .integrations.transformers import skip_weight_init
 
 _UNLOADED = "_zload_unloaded"  # set on each parameter built by ``init`` until a load writes it
 _RECIPE = "_zload_recipe"  # on a deferred tensor: (constructor, args, kwargs, device it will be on)
@@ -171,7 +171,8 @@ class _Deferral(TorchFunctionMode):
                 return self._device_of(args[0])
             if args and hasattr(args[0], "ds_id") and args[0].is_meta and (
                     func in _MOVES or (attribute == "data" and func.__name__ == "__set__" and not args[1].is_meta)):
-                _leave_meta(args[0], self.device)  # moved (module.to) or gathered (GatheredParameters) as under zero.Init
+                # moved (module.to) or gathered (GatheredParameters), as under zero.Init
+                _leave_meta(args[0], self.device)
             if func in _NEW_LIKE and self._device_of(args[0]) is not None and _RECIPE not in args[0].__dict__:
                 args = (torch.empty(0, dtype=args[0].dtype, device=self.device), *args[1:])
         if func not in _METADATA and attribute not in _SHAPE_ATTRIBUTES:
@@ -381,7 +382,8 @@ def init(config=None, *, dtype: torch.dtype | None = None, enabled: bool = True,
             stack.enter_context(collector_paused())
             stack.enter_context(_replaced(Init, "_zero_init_param", partition_without_broadcast))
             stack.enter_context(_replaced(Init, "_post_init_method", post_init_after_deferral))
-            stack.enter_context(_replaced(zero_partitions, "print_rank_0", _print_only_if_asked(zero_partitions.print_rank_0)))
+            quiet = _print_only_if_asked(zero_partitions.print_rank_0)
+            stack.enter_context(_replaced(zero_partitions, "print_rank_0", quiet))
             stack.enter_context(_no_weight_init())
             stack.enter_context(zero_init)
             old_apply = getattr(torch.nn.Module, "_old_apply", None)

@@ -15,29 +15,23 @@ from contextlib import contextmanager
 
 import torch
 
-from .checkpoint import SharedIndex, open_agreed
-from .collector import collector_paused
-from .converted import load_converted
-from .distributed import Arguments, agree, collective, problems_of, rank_and_world, stage
-from .errors import ArgumentTypeError, ArgumentValueError, PeerLostError, ZloadWarning
+from ..checkpoint.index import CheckpointIndex
+from ..checkpoint.quantized import FP8, Quantization
+from ..checkpoint.views import SharedIndex
+from ..collector import collector_paused
+from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, stage
+from ..errors import ArgumentTypeError, ArgumentValueError, PeerLostError, ZloadWarning
+from ..kernels import scatter_cast, zero_segment
+from ..model.init import is_unloaded, mark_loaded
+from ..model.names import KeyMap, match
+from ..model.targets import ORPHAN, PARTITION, collect_targets, unwrap, zero_partition, zero_sibling
+from ..progress import progress_for
+from ..report import LoadReport, brief, shortened
+from .agree import open_agreed
 from .execute import DEFAULT_STAGING_BYTES, execute
-from .index import CheckpointIndex, brief
-from .building import is_unloaded, mark_loaded
-from .kernels import scatter_cast, zero_segment
-from .names import KeyMap, match
+from .peers import fetch_remote
 from .plan import LoadPlan, make_plan, staging_problems
-from .progress import progress_for
-from .quantized import FP8, Quantization
-from .report import LoadReport, shortened
-from .sharing import fetch_remote
-from .targets import (
-    ORPHAN,
-    PARTITION,
-    collect_targets,
-    unwrap,
-    zero_partition,
-    zero_sibling,
-)
+from .slow_path import load_converted
 
 logger = logging.getLogger("zload")
 

@@ -12,117 +12,28 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
-import warnings
 from dataclasses import dataclass, field
 
+from ..distributed import (
+    Problem,
+    digest,
+    exchange,
+    problems_of,
+    raise_for,
+    rank_and_world,
+    reader_count,
+)
+from ..errors import (
+    CheckpointNotFoundError,
+    InvalidCheckpointError,
+)
+from ..report import shortened
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digests
-from .distributed import (Arguments, Problem, agree, digest, exchange, problems_of, raise_for, rank_and_world,
-                          reduce_max, same_everywhere)
-from .errors import (ArgumentValueError, CheckpointError, CheckpointNotFoundError, InvalidCheckpointError, PlanError,
-                     ZloadWarning)
-from .execute import reader_count
-from .files import FileTable, OpenFile, open_regular, refuse_irregular, stat_path
-from .hub import download
-from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, TensorEntry, index_from_weight_map, parse_header
-from .native import LATEST, native_folder, open_native
+from .files import FileTable, OpenFile
+from .index import CheckpointIndex, TensorEntry
+from .open import open_checkpoint
 from .pagecache import forget
-from .plan import LoadPlan, collectives_differing
-from .report import shortened
 from .quantized import Quantization, agreed_quantization, read_quantization
-
-
-def _start_file(path: str) -> str | None:
-    """The file to start from: a .safetensors file or an index .json; None for a folder without
-    safetensors files. In a folder, the names ``from_pretrained`` looks for come first, in its
-    order (``model.safetensors``, then the index)."""
-    st = stat_path(path) if os.path.lexists(path) else None
-    if st is None:
-        raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
-    if not stat.S_ISDIR(st.st_mode):
-        refuse_irregular(path, st)
-        return path
-    for name in (SINGLE_FILE, INDEX_FILE):
-        if os.path.lexists(os.path.join(path, name)):
-            if name == SINGLE_FILE and os.path.lexists(os.path.join(path, INDEX_FILE)):
-                warnings.warn(f"zload: {path} holds both {SINGLE_FILE} and {INDEX_FILE}; loading "
-                              f"{SINGLE_FILE}, as from_pretrained does", ZloadWarning, stacklevel=2)
-            return os.path.join(path, name)
-    try:
-        listing = sorted(os.listdir(path))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot list: {e.strerror}", path=path) from e
-    indexes = [n for n in listing if n.endswith(".safetensors.index.json")]
-    singles = [n for n in listing if n.endswith(".safetensors")]
-    if len(indexes) == 1:
-        return os.path.join(path, indexes[0])
-    if not indexes and len(singles) == 1:
-        return os.path.join(path, singles[0])
-    if indexes + singles:
-        raise InvalidCheckpointError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
-                                     f"{', '.join(indexes + singles)}", path=path)
-    return None  # no safetensors: perhaps a DeepSpeed checkpoint
-
-
-def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> CheckpointIndex:
-    """Index a checkpoint: a .safetensors file, an index .json, a directory holding either, or a
-    DeepSpeed checkpoint (the folder ``save_checkpoint`` wrote, or one of its tag folders).
-
-    The files stay open (``index.opened``) until ``index.close()`` or the end of a ``with`` block.
-    ``missing_ok``: shards the index lists but this machine lacks are recorded in ``absent``
-    instead of raising (another node may hold them).
-    """
-    table = FileTable()
-    try:
-        path = os.fspath(path)
-        start = _start_file(path)
-        if start is None:
-            folder = native_folder(path)
-            if folder is None:
-                raise CheckpointNotFoundError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}, or a DeepSpeed "
-                                              f"checkpoint ('{LATEST}' or *_model_states.pt); found no safetensors files "
-                                              "and no DeepSpeed checkpoint",
-                                              path=path)
-            return open_native(path, folder, table)
-        if start.endswith(".json"):
-            return index_from_weight_map(start, missing_ok, table)
-        root, key = os.path.split(os.path.abspath(start))
-        return CheckpointIndex(start, (key,), parse_header(table.add(open_regular(start), key), key),
-                               opened=table, root=root)
-    except BaseException:
-        table.close()
-        raise
-
-
-def open_source(path: str | os.PathLike, revision: str | None = None) -> CheckpointIndex:
-    """Index ``path`` in one process as ``load_into`` would: a local path, else a Hub repo id's
-    snapshot at ``revision`` (downloaded into the Hugging Face cache if it is not there)."""
-    return open_checkpoint(local_path(path, revision))
-
-
-def local_path(path: str | os.PathLike, revision: str | None = None, also: tuple[str, ...] = ()) -> str:
-    """Where every rank reads ``path`` from: ``path`` itself when every rank has it, else the
-    snapshot of Hub repo id ``path`` at ``revision`` (and the files matching ``also``, see
-    ``download``), downloaded once per node. Every rank must call it; a path that only some ranks
-    have is refused on all, since what is read outside the index (a config) must be everywhere."""
-    path = os.fspath(path)
-    here = os.path.lexists(path)
-    lacking, having = reduce_max([int(not here), int(here)])
-    if not having:
-        return download(path, revision, also)
-    if lacking:
-        agree([] if here else [Problem.of(CheckpointNotFoundError(
-            f"{path}: no such file or directory on this rank, though other ranks have it: every node "
-            f"must hold it (copy it there, or pass a Hub repo id, which each node downloads)", path=path))],
-            f"cannot read {path}")
-    _no_revision(path, revision)
-    return path
-
-
-def _no_revision(path: str, revision: str | None) -> None:
-    if revision is not None:
-        raise ArgumentValueError(f"{path}: revision={revision!r} applies to Hub repo ids only, and "
-                                 f"this is a local path; drop revision= or pass the repo id", path=path)
 
 
 @dataclass
@@ -358,94 +269,3 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
     return SharedIndex(index, {k: readers[k] for k in lacking}, remote, quantization)
 
 
-def _planned(plan_load, shared: SharedIndex) -> tuple[LoadPlan | None, list[Problem]]:
-    """``plan_load(index, remote_files, quantization)`` of ``shared``, and its problems (an
-    exception, or the plan's own)."""
-    plan, problems = problems_of("planning", lambda: plan_load(shared.index, shared.remote_files,
-                                                              shared.quantization))
-    return plan, (problems if plan is None else [Problem(PlanError, p) for p in plan.problems])
-
-
-def _refused(source: str) -> str:
-    return f"zload: cannot load {source}; the model was not changed"
-
-
-def _settled(view: LocalView, arguments: Arguments, plan: LoadPlan | None,
-             problems: list[Problem]) -> tuple[bool, bool, bool]:
-    """The all-reduce after planning, the first collective of every ``open_agreed`` whatever its
-    arguments. Raises on every rank if the ranks passed different ``arguments`` (naming them), or
-    the same invalid one; else (whether every rank sees the same whole checkpoint, whether some
-    rank's plan has problems, whether the plans make different collectives)."""
-    fingerprint, called = view.fingerprint, arguments.digest
-    collectives = digest(plan.collectives if plan else None)
-    (high, negated_low, called_high, called_negated_low, collectives_high, collectives_negated_low,
-     partial, troubled) = reduce_max([fingerprint, -fingerprint, called, -called, collectives, -collectives,
-                                      int(not view.whole), len(problems)])
-    view.forget_sampled()
-    if not same_everywhere(called_high, called_negated_low):
-        raise arguments.differing(exchange(arguments.values), _refused(view.source))
-    if arguments.invalid:
-        raise arguments.invalid
-    return (same_everywhere(high, negated_low) and not partial, bool(troubled),
-            not same_everywhere(collectives_high, collectives_negated_low))
-
-
-def _agree_on_plans(plan: LoadPlan | None, problems: list[Problem], troubled: bool, differing: bool,
-                    arguments: Arguments, what: str) -> None:
-    """Raise on every rank if some rank's plan has problems (``troubled``), or if the plans make
-    different collectives (``differing``): which is learnt from an exchange made only then."""
-    if troubled:
-        raise_for(exchange(problems), what)
-    if differing:
-        gathered = exchange(plan.collectives)
-        raise PlanError(f"{what}: the ranks' models differ: {collectives_differing(gathered)}; every rank "
-                        f"must call {arguments.call} with the same arguments and the same model (built the "
-                        "same way on every rank)", ranks=tuple(range(len(gathered))))
-
-
-def open_agreed(path: str, revision: str | None, verify: str, arguments: Arguments,
-                plan_load) -> tuple[str, SharedIndex, LoadPlan]:
-    """Index the checkpoint and plan the load on every rank; raise on all if any rank cannot.
-
-    Usually every rank sees the same whole checkpoint: each plans against its own view, and one
-    all-reduce settles that every rank passed the same ``arguments`` (its first collective,
-    whatever they are), that the views are the same (headers, a sample of the data, and the
-    quantization config), that no plan has a problem and that every plan makes the same
-    collectives (``LoadPlan.collectives``). ``verify="full"`` digests every file after it and
-    settles again. Otherwise (node-local shards, copies that differ, a Hub repo id, a bad header)
-    the ranks exchange their views, and then plan and agree on the plans.
-    ``plan_load(index, remote_files, quantization)`` plans one rank's load. The returned index's
-    files stay open; the caller closes them.
-    """
-    view = local_view(path, verify) if arguments.invalid is None else LocalView(path, None)
-    try:
-        plan, problems = _planned(plan_load, view.shared()) if view.whole else (None, [])
-        same, troubled, differing = _settled(view, arguments, plan, problems)
-        if verify == "full":  # on every rank, as settled
-            verify_fully(view)
-            same, troubled, differing = _settled(view, arguments, plan, problems)
-        if same:  # the same whole checkpoint everywhere
-            _no_revision(path, revision)
-            _agree_on_plans(plan, problems, troubled, differing, arguments, _refused(path))
-            return path, view.shared(), plan
-        shared = share_index(view, _refused(path))
-        source = path
-        if shared is None:  # no rank has the path: a Hub repo id
-            view.close()
-            source = download(path, revision)
-            view = local_view(source, verify)
-            if verify == "full":
-                verify_fully(view)
-            shared = share_index(view, _refused(source))
-            view.forget_sampled()
-        else:
-            _no_revision(path, revision)
-        plan, problems = _planned(plan_load, shared)
-        collectives = digest(plan.collectives if plan else None)
-        troubled, high, negated_low = reduce_max([len(problems), collectives, -collectives])
-        _agree_on_plans(plan, problems, bool(troubled), not same_everywhere(high, negated_low), arguments,
-                        _refused(source))
-        return source, shared, plan
-    except BaseException:
-        view.close()
-        raise

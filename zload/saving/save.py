@@ -19,14 +19,15 @@ from functools import partial
 
 import torch
 
-from . import save_plan, writer
-from .collector import collector_paused
-from .distributed import agree, exchange, problems_of, rank_and_world, stage
-from .errors import ArgumentTypeError, ZloadWarning
-from .execute import DEFAULT_STAGING_BYTES
-from .report import SaveReport
-from .savedir import LOCK, STAGING_PREFIX, SaveFolder
-from .targets import collect_targets, unwrap
+from ..collector import collector_paused
+from ..distributed import agree, exchange, problems_of, rank_and_world, stage
+from ..errors import ArgumentTypeError, ZloadWarning
+from ..loading.execute import DEFAULT_STAGING_BYTES
+from ..model.targets import collect_targets, unwrap
+from ..report import SaveReport
+from . import plan as save_plan
+from . import writer
+from .folder import LOCK, STAGING_PREFIX, SaveFolder
 
 
 @collector_paused()

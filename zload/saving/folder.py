@@ -36,9 +36,9 @@ import socket
 import stat
 from contextlib import contextmanager
 
-from .errors import WriteError, ZloadError
-from .files import FileTable, open_regular
-from .index import MAX_INDEX_BYTES, read_weight_map, shard_path
+from ..checkpoint.files import FileTable, open_regular
+from ..checkpoint.index import MAX_INDEX_BYTES, read_weight_map, shard_path
+from ..errors import WriteError, ZloadError
 
 STAGING_PREFIX = ".zload-save-"
 LOCK = "lock"  # in the staging folder: flocked by the running save; says who it is

@@ -13,12 +13,12 @@ from math import prod
 import torch
 import torch.distributed as dist
 
-from .distributed import agree, collective, comm_device, problems_of, rank_and_world
-from .errors import ZloadError
+from ..checkpoint.views import SharedIndex
+from ..distributed import agree, collective, comm_device, problems_of, rank_and_world
+from ..errors import ZloadError
+from ..model.targets import PARTITION
 from .execute import read_tensor
 from .plan import LoadPlan
-from .checkpoint import SharedIndex
-from .targets import PARTITION
 
 
 def _build(source, dtype, read) -> tuple[torch.Tensor | None, list]:

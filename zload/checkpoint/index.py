@@ -11,13 +11,13 @@ import hashlib
 import json
 import os
 import re
-import reprlib
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from math import prod
-from typing import Mapping
 
-from .errors import CheckpointError, CheckpointNotFoundError, InvalidCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, InvalidCheckpointError
+from ..report import brief
 from .files import FileTable, OpenFile, open_regular
 
 # safetensors dtype code -> (torch dtype attribute name, bytes per element)
@@ -143,17 +143,6 @@ class CheckpointIndex:
         self.close()
 
 
-_NESTED = reprlib.Repr()  # keyword arguments only from Python 3.12
-_NESTED.maxlevel, _NESTED.maxstring, _NESTED.maxother, _NESTED.maxlong = 3, 60, 60, 60
-_NESTED.maxtuple = _NESTED.maxlist = _NESTED.maxdict = _NESTED.maxset = _NESTED.maxfrozenset = 8
-
-
-def brief(value, limit: int = 200) -> str:
-    """``repr(value)``, cut short: a hostile header must not make a 100 MB error message that
-    every rank then exchanges, nor a nest of shared lists one that takes 2**depth steps to print
-    (containers are printed a few items and levels deep)."""
-    text = repr(value) if isinstance(value, (str, bytes, int, float, type(None))) else _NESTED.repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the only way JSON text holds a surrogate

@@ -16,42 +16,15 @@ functions here read names and shapes only; nothing touches tensor data or proces
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
-from .index import CheckpointIndex, TensorEntry
-from .quantized import Quantization, Scale, pair_scales
+from ..checkpoint.index import CheckpointIndex
+from ..checkpoint.pieces import Source, whole
+from ..checkpoint.quantized import Quantization, Scale, pair_scales
 from .targets import Target
 
 KeyMap = Mapping[str, str] | Callable[[str], "str | None"]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """``numel`` elements of ``entry`` from element ``src_offset`` go to element ``dst_offset``,
-    dequantised by ``scale`` for an FP8 weight."""
-
-    entry: TensorEntry
-    src_offset: int
-    dst_offset: int
-    numel: int
-    scale: Scale | None = None
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where one model tensor's values come from."""
-
-    entries: tuple[TensorEntry, ...]  # the checkpoint tensors it is built from
-    shape: tuple[int, ...]
-    pieces: tuple[Piece, ...] = ()
-    # Slow path: given a reader ``entry -> torch.Tensor``, build the whole tensor.
-    convert: Callable | None = field(default=None, compare=False)
-    scaled: bool = False  # built from FP8 weights that are dequantised by their scales
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(e.name for e in self.entries)
 
 
 @dataclass
@@ -60,10 +33,6 @@ class Matching:
     unexpected: list[str]
     problems: list[str]
     required: set[int] | None = None  # target indices the checkpoint must cover; None: all required
-
-
-def whole(entry: TensorEntry) -> Source:
-    return Source((entry,), entry.shape, (Piece(entry, 0, 0, entry.numel),))
 
 
 # --- user key map ---
@@ -126,8 +95,8 @@ def match(index: CheckpointIndex, targets: list[Target], module=None,
     """Resolve every checkpoint tensor to the model tensor it feeds (see module docstring); the
     scales of FP8 weights go with their weights' pieces (``quantization``: the checkpoint's config)."""
     # imported here, not above: the integrations build on this module's Piece and Source
-    from .integrations.peft import add_peft_aliases, peft_info, required_by_role
-    from .integrations.transformers import apply_conversion_mapping, transformers_model
+    from ..integrations.peft import add_peft_aliases, peft_info, required_by_role
+    from ..integrations.transformers import apply_conversion_mapping, transformers_model
 
     weights, scales, problems = pair_scales(index, quantization)
     index = replace(index, tensors=weights)

@@ -14,14 +14,14 @@ from math import prod
 
 import torch
 
-from .digest import DIGEST_KEY, DIGEST_PLACEHOLDER
-from .errors import ArgumentValueError, ZloadError
-from .index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
-from .integrations.peft import peft_info, peft_role
-from .integrations.transformers import revert_conversion, transformers_model
-from .names import match
-from .plan import element_steps
-from .targets import ORPHAN, PARTITION, Target, dtype_name
+from ..checkpoint.digest import DIGEST_KEY, DIGEST_PLACEHOLDER
+from ..checkpoint.index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
+from ..errors import ArgumentValueError, ZloadError
+from ..integrations.peft import peft_info, peft_role
+from ..integrations.transformers import revert_conversion, transformers_model
+from ..loading.plan import element_steps
+from ..model.names import match
+from ..model.targets import ORPHAN, PARTITION, Target, dtype_name
 
 ADAPTER_FILE = "adapter_model.safetensors"
 _CODES = {torch_name: code for code, (torch_name, _) in DTYPES.items()}

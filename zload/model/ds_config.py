@@ -29,8 +29,9 @@ import numbers
 import os
 from dataclasses import dataclass
 
-from .errors import ArgumentTypeError, ArgumentValueError, CheckpointError
-from .index import brief, read_json_file
+from ..checkpoint.index import read_json_file
+from ..errors import ArgumentTypeError, ArgumentValueError, CheckpointError
+from ..report import brief
 
 # top-level sections DeepSpeed 0.19.8 reads as objects (``**section``, ``section.get``) whenever it
 # parses a config; the ones it reads specially ("zero_optimization", "bf16", "bfloat16") apart
@@ -225,6 +226,7 @@ class _Checker:
             if not value > 0:
                 raise self.value_error(f"{self.key(key)} is {value}: DeepSpeed needs a number above 0")
         if all(self.values.get(key) is None for key in _COUNTS[:2]):
-            raise self.value_error(f"{self.key()} names no batch size: DeepSpeed needs \"train_micro_batch_size_per_gpu\" "
-                                   f"or \"train_batch_size\" even to build a model; add "
+            raise self.value_error(f"{self.key()} names no batch size: DeepSpeed needs "
+                                   f"\"train_micro_batch_size_per_gpu\" or \"train_batch_size\" even to build a "
+                                   f"model; add "
                                    f"\"train_micro_batch_size_per_gpu\": 1 (any value does for building)")

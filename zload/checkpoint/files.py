@@ -14,7 +14,7 @@ import stat
 import weakref
 from dataclasses import dataclass, field
 
-from .errors import CheckpointError, CheckpointNotFoundError, InvalidCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, InvalidCheckpointError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,118 @@
+"""What the checkpoint is: a user's path made into the checkpoint's files and index.
+
+A path is a ``.safetensors`` file, an index ``.json``, a folder holding either, a DeepSpeed
+checkpoint (``native``), or a Hugging Face Hub repo id (``hub`` downloads it). One process indexes
+what it sees (``open_checkpoint``; the command line's ``open_source`` also takes repo ids).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import warnings
+
+from ..distributed import Problem, agree, reduce_max
+from ..errors import (
+    ArgumentValueError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidCheckpointError,
+    ZloadWarning,
+)
+from .files import FileTable, open_regular, refuse_irregular, stat_path
+from .hub import download
+from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, index_from_weight_map, parse_header
+from .native import LATEST, native_folder, open_native
+
+
+def _start_file(path: str) -> str | None:
+    """The file to start from: a .safetensors file or an index .json; None for a folder without
+    safetensors files. In a folder, the names ``from_pretrained`` looks for come first, in its
+    order (``model.safetensors``, then the index)."""
+    st = stat_path(path) if os.path.lexists(path) else None
+    if st is None:
+        raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
+    if not stat.S_ISDIR(st.st_mode):
+        refuse_irregular(path, st)
+        return path
+    for name in (SINGLE_FILE, INDEX_FILE):
+        if os.path.lexists(os.path.join(path, name)):
+            if name == SINGLE_FILE and os.path.lexists(os.path.join(path, INDEX_FILE)):
+                warnings.warn(f"zload: {path} holds both {SINGLE_FILE} and {INDEX_FILE}; loading "
+                              f"{SINGLE_FILE}, as from_pretrained does", ZloadWarning, stacklevel=2)
+            return os.path.join(path, name)
+    try:
+        listing = sorted(os.listdir(path))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot list: {e.strerror}", path=path) from e
+    indexes = [n for n in listing if n.endswith(".safetensors.index.json")]
+    singles = [n for n in listing if n.endswith(".safetensors")]
+    if len(indexes) == 1:
+        return os.path.join(path, indexes[0])
+    if not indexes and len(singles) == 1:
+        return os.path.join(path, singles[0])
+    if indexes + singles:
+        raise InvalidCheckpointError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
+                                     f"{', '.join(indexes + singles)}", path=path)
+    return None  # no safetensors: perhaps a DeepSpeed checkpoint
+
+
+def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> CheckpointIndex:
+    """Index a checkpoint: a .safetensors file, an index .json, a directory holding either, or a
+    DeepSpeed checkpoint (the folder ``save_checkpoint`` wrote, or one of its tag folders).
+
+    The files stay open (``index.opened``) until ``index.close()`` or the end of a ``with`` block.
+    ``missing_ok``: shards the index lists but this machine lacks are recorded in ``absent``
+    instead of raising (another node may hold them).
+    """
+    table = FileTable()
+    try:
+        path = os.fspath(path)
+        start = _start_file(path)
+        if start is None:
+            folder = native_folder(path)
+            if folder is None:
+                raise CheckpointNotFoundError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}, or a DeepSpeed "
+                                              f"checkpoint ('{LATEST}' or *_model_states.pt); found no safetensors "
+                                              "files and no DeepSpeed checkpoint",
+                                              path=path)
+            return open_native(path, folder, table)
+        if start.endswith(".json"):
+            return index_from_weight_map(start, missing_ok, table)
+        root, key = os.path.split(os.path.abspath(start))
+        return CheckpointIndex(start, (key,), parse_header(table.add(open_regular(start), key), key),
+                               opened=table, root=root)
+    except BaseException:
+        table.close()
+        raise
+
+
+def open_source(path: str | os.PathLike, revision: str | None = None) -> CheckpointIndex:
+    """Index ``path`` in one process as ``load_into`` would: a local path, else a Hub repo id's
+    snapshot at ``revision`` (downloaded into the Hugging Face cache if it is not there)."""
+    return open_checkpoint(local_path(path, revision))
+
+
+def local_path(path: str | os.PathLike, revision: str | None = None, also: tuple[str, ...] = ()) -> str:
+    """Where every rank reads ``path`` from: ``path`` itself when every rank has it, else the
+    snapshot of Hub repo id ``path`` at ``revision`` (and the files matching ``also``, see
+    ``download``), downloaded once per node. Every rank must call it; a path that only some ranks
+    have is refused on all, since what is read outside the index (a config) must be everywhere."""
+    path = os.fspath(path)
+    here = os.path.lexists(path)
+    lacking, having = reduce_max([int(not here), int(here)])
+    if not having:
+        return download(path, revision, also)
+    if lacking:
+        agree([] if here else [Problem.of(CheckpointNotFoundError(
+            f"{path}: no such file or directory on this rank, though other ranks have it: every node "
+            f"must hold it (copy it there, or pass a Hub repo id, which each node downloads)", path=path))],
+            f"cannot read {path}")
+    refuse_revision(path, revision)
+    return path
+
+
+def refuse_revision(path: str, revision: str | None) -> None:
+    if revision is not None:
+        raise ArgumentValueError(f"{path}: revision={revision!r} applies to Hub repo ids only, and "
+                                 f"this is a local path; drop revision= or pass the repo id", path=path)
