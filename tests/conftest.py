@@ -1,5 +1,6 @@
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -9,6 +10,9 @@ from tests.harness import close_worlds, reset_process_state
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# DeepSpeed's CPU comm op is built into this venv's own cache (as ./dev sets it), never into the
+# ~/.cache one that another checkout's runs build and lock too.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -57,3 +57,22 @@ def test_dev_setup_names_each_step_then_stays_quiet(tmp_path):
     (work / ".venv" / ".zload-install-stamp").write_text("stale\n")
     stale = setup()
     assert stale.stderr.splitlines() == [s.format(python=python) for s in STEPS if "creating" not in s]
+
+
+def test_dev_builds_deepspeeds_op_into_a_cache_of_its_own_venv(tmp_path):
+    """Two checkouts on one machine must not share DeepSpeed's extension cache: each rebuilt the
+    other's CPU comm op, or waited on its stale lock."""
+    work = tmp_path / "repo"
+    work.mkdir()
+    for name in ("dev", "pyproject.toml"):
+        shutil.copy2(REPO / name, work / name)
+    seen = tmp_path / "seen"
+    python = tmp_path / "python3"
+    python.write_text(STUB_PYTHON.format(calls=tmp_path / "calls")
+                      + f'echo "$1 $TORCH_EXTENSIONS_DIR" >> "{seen}"\n')
+    python.chmod(0o755)
+    done = subprocess.run(["bash", str(work / "dev"), "setup"], env={"PATH": "/usr/bin:/bin", "PYTHON": str(python)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    build = [line for line in seen.read_text().splitlines() if line.startswith("-c ")]
+    assert build == [f"-c {work}/.venv/torch_extensions"]
