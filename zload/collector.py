@@ -12,8 +12,8 @@ def collector_paused():
 
     Building a model and planning a load allocate many small objects. In a process that holds a
     large model (or has imported transformers and DeepSpeed), each full collection they trigger
-    walks every live object: about 0.1 s for a 1 GB Llama (420k objects), more than the reads of
-    such a load, and a fifth of ``init``'s construction of it. Reference counting still frees memory;
+    walks every live object, which can take longer than the reads of such a load (benchmarks/README.md,
+    the zload.init targets). Reference counting still frees memory;
     cycles created in the block are collected after it.
     """
     was_enabled = gc.isenabled()

@@ -52,7 +52,7 @@ def sample_digests(files: list[tuple[int, int, int]]) -> tuple[list[str], list[t
     brought into the page cache (for ``pagecache.forget`` once no rank samples any more).
 
     One thread: from the page cache, threads cost more than the few hundred small reads they
-    would share (measured: 1.1 ms for 13 files on one thread, 2.5 ms on two). From a cold cache
+    would share (benchmarks/README.md, verify.py). From a cold cache
     the windows are all hinted to the kernel first, so the device fetches them together rather
     than one wait each."""
     digests, brought = [], []

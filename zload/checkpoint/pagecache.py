@@ -6,11 +6,9 @@ idle between its requests: the kernel fetches little ahead of reads that skip ov
 bytes. ``ReadAhead`` therefore reads ahead of the reader: it streams the file through the page
 cache in order, through the gaps that the node's other ranks read anyway, with ``sendfile`` to
 ``/dev/null`` (no copy) from an open file description of its own, so that the kernel sees one
-sequential reader and fetches in large requests (cold loads of 300 MB at W=2 on this project's
-VM, counted in ``/sys/block/*/stat``: about 120 requests of 2.6 MB for the data, against about 400
-of 0.75 MB, besides the data sample's 256 of 4 KB, with a hint for each range; 0.13 s against
-0.17 s); the reader copies each range once
-it has been pulled. ``posix_fadvise(WILLNEED)`` hints remain for ranges too far apart to stream
+sequential reader and fetches in fewer, larger requests than a hint for each range gets (counted
+in benchmarks/README.md, "How a cold load reads"); the reader copies each range once it has been
+pulled. ``posix_fadvise(WILLNEED)`` hints remain for ranges too far apart to stream
 through, and wherever ``sendfile`` or ``/proc/self/fd`` are missing: they fetch in single pages,
 which the device serves in smaller requests.
 
@@ -21,10 +19,9 @@ brought in is ``forget``-ed once every rank has sampled.
 When the pages are already cached, pulling and hinting would only cost system calls, so the
 spans of a file in a batch are brought in only when ``mincore`` (through ctypes: no compiled
 extension) finds the first pages of its first, middle or last span missing. Looking at every
-page instead costs about 15 us per MB when cached (1.4 ms for a 95 MB file, measured), more
-than a warm load can spare; a few pages cost about 3 us. Even that, span by span from a thread
-of its own, took CPU from the readers of a warm load (two ranks on two cores, 800 spans each:
-about 5% of the load). Where ``mincore`` is missing (not Linux, no libc),
+page instead costs more than a warm load can spare, and even a few pages, span by span from a
+thread of its own, took CPU from the readers of a warm load (benchmarks/README.md, "How a cold
+load reads"). Where ``mincore`` is missing (not Linux, no libc),
 nothing is pulled or hinted and reads work as before.
 """
 

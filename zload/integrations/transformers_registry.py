@@ -6,10 +6,8 @@ it one whose transforms are built when first used. This rebuilds a private trans
 (``_build_checkpoint_conversion_mapping``), so tests/test_load_transformers.py compares the result
 with transformers' own for every model type, and any version this does not fit uses the plain path.
 
-Kept because it is most of a first load's fixed cost (transformers 5.25, 2-core CPU):
-``benchmarks.load --size 300MB --world 1 --methods zload``, median of 5 fresh processes, load
-0.087 s with it and 0.151 s with transformers' own registry; a first ``load_into`` of a tiny Llama
-7 ms against 80 ms.
+Kept because transformers' own registry is most of a first load's fixed cost (benchmarks/README.md,
+"Warm: against DCP, stage by stage").
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from .plan import ALIGN, ReadItem, StagingLayout, align
 DEFAULT_STAGING_BYTES = 64 << 20  # both staging buffers together
 _IOV_MAX = 1024  # buffers per preadv call (Linux IOV_MAX)
 _RUN_BYTES = 16 << 20  # longer runs are split so that the reader threads can share them
-READ_AHEAD_BYTES = 64 << 20  # uncached bytes brought in ahead of the readers (measured: 32-256 MB alike)
+READ_AHEAD_BYTES = 64 << 20  # uncached bytes brought in ahead of the readers (other sizes: benchmarks/README.md)
 
 
 def gap_ranks() -> int:
@@ -155,8 +155,7 @@ class _Reader:
         self.bytes_read = 0
         self.helpers = (reader_count() if threads is None else max(1, threads)) - 1
         # reading ahead only for a lone reader: beside a second reader thread, hints slowed cold
-        # loads (W=1, 300 MB, 20 rounds: 0.248 s with, 0.200 s without), and streaming was faster
-        # at 300 MB (0.125 s against 0.151 s) but not at 1.2 GB (0.58 s against 0.57 s)
+        # loads and streaming gained nothing at 1.2 GB (benchmarks/README.md, "How a cold load reads")
         self.read_ahead = ReadAhead(0 if self.helpers else READ_AHEAD_BYTES, gap_ranks())
         self.pool = ThreadPoolExecutor(self.helpers, thread_name_prefix="zload-read") \
             if self.helpers else None

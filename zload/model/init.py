@@ -240,8 +240,8 @@ FRESH_PAGES_FROM = 1 << 20  # bytes: a plain CPU partition this large gets pages
 def _fresh_zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor on newly mapped anonymous pages, which the kernel hands out zeroed and maps in
     with one call (``MAP_POPULATE``; elsewhere than Linux, at the first write). ``torch.empty``
-    may hand back memory that held other data, which then needs a second pass writing zeros: a
-    tenth of a second per 600 MB here. The pages go with the last tensor on them. Their storage
+    may hand back memory that held other data, which then needs a second pass writing zeros over
+    the whole partition. The pages go with the last tensor on them. Their storage
     cannot grow (``resize_`` raises; DeepSpeed never resizes a partition, it replaces its
     ``data``). In a process that has just freed much memory, ``torch.empty`` could reuse it and
     zeroing it would be quicker than faulting in new pages; this path does not look for that."""
@@ -254,7 +254,7 @@ def _allocate_partition(zero_init, param) -> bool:
     """What DeepSpeed's ``Init._partition_param`` does the first time it partitions a parameter,
     less the copy from the full tensor that a parameter built here does not have. DeepSpeed's
     path (tensor calls through the deferral, log messages formatted and dropped, the full data
-    freed) cost 0.37 ms a parameter, a quarter of building a 1.2 GB Llama; the bit-exact tests
+    freed) was a large part of building a model (benchmarks/README.md, the zload.init targets); the bit-exact tests
     against ``zero.Init`` compare every attribute set here. Returns whether the partition already
     holds zeros (a large one in plain CPU memory: ``_fresh_zeroed``)."""
     from deepspeed.accelerator import get_accelerator

@@ -139,8 +139,9 @@ def _full_target(names, tensor, required: bool) -> Target:
 def _members(module) -> tuple[dict[int, list], dict[int, list]]:
     """Every parameter as ``[tensor, names]`` and every buffer as ``[tensor, names, persistent]``,
     by ``id``, tied ones under each of their names, as ``named_parameters(remove_duplicate=False)``
-    and ``named_buffers`` name them. Both walk ``named_modules``; one walk serves both (a walk took
-    about 1.5 ms of a 2.4 GB Llama's load) unless the model names its parameters its own way."""
+    and ``named_buffers`` name them. Both walk ``named_modules``; one walk serves both (a walk is a
+    visible part of a load's planning: benchmarks/README.md, plan_cost) unless the model names its
+    parameters its own way."""
     params: dict[int, list] = {}
     buffers: dict[int, list] = {}
     own_naming = any(getattr(type(module), method) is not getattr(torch.nn.Module, method)
