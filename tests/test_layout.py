@@ -82,3 +82,49 @@ def test_no_module_imports_itself_through_others():
         if name not in state:
             circle = circle_from(name, [name])
             assert circle is None, " -> ".join(circle)
+
+
+# What zload uses of DeepSpeed beyond its public names: attributes and methods of its parameters,
+# optimizers and zero.Init, its enums and functions. ``ds_*`` attributes are all DeepSpeed's.
+DEEPSPEED_INTERNALS = {
+    "ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status", "ds_secondary_tensor", "ds_process_group",
+    "ds_persist", "ds_numel_aligned", "ds_quant_scale", "final_location", "nvme_swapper",
+    "convert_to_zero_parameters", "_convert_to_deepspeed_param", "_partition_param", "_partition_world_size",
+    "_aligned_size", "_zero_init_param", "_post_init_method", "print_rank_0", "zero_init_context",
+    "zero_param_process_group", "local_device", "remote_device", "__old_new__", "_old_apply",
+    "ZeroParamStatus", "PartitionedParamStatus", "OffloadDeviceEnum", "checkpoint_event_prologue",
+    "checkpoint_event_epilogue", "refresh_fp32_params", "safe_set_local_fp32_param", "safe_get_local_fp32_param",
+    "safe_get_full_fp32_param", "GatheredParameters", "DeepSpeedEngine",
+}
+DEEPSPEED_MODULE = "zload.integrations.deepspeed"
+
+
+def _deepspeed_uses(path: Path) -> list[str]:
+    """Where ``path`` imports DeepSpeed, names one of its internals (an attribute, a name, a string
+    given to ``getattr``/``hasattr``), or looks DeepSpeed up by name (``sys.modules.get("deepspeed")``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[0] == "deepspeed"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "deepspeed":
+            names = [node.module]
+        elif isinstance(node, ast.Attribute) and (node.attr in DEEPSPEED_INTERNALS or node.attr.startswith("ds_")):
+            names = [node.attr]
+        elif isinstance(node, ast.Name) and node.id in DEEPSPEED_INTERNALS:
+            names = [node.id]
+        elif isinstance(node, ast.Call):
+            names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                     and (a.value in DEEPSPEED_INTERNALS or a.value.split(".")[0] == "deepspeed")]
+        found += [f"{path.relative_to(ROOT.parent)}:{node.lineno}: {name}" for name in names]
+    return found
+
+
+def test_only_the_deepspeed_integration_touches_deepspeed():
+    """DeepSpeed's internals change between releases: one module (which checks the version) uses
+    them. Not its checkpoint files' names (``checkpoint.native``), which are data."""
+    modules = _modules()
+    assert _deepspeed_uses(modules[DEEPSPEED_MODULE])  # the check sees what it looks for
+    wrong = [use for name, path in sorted(modules.items()) if name != DEEPSPEED_MODULE
+             for use in _deepspeed_uses(path)]
+    assert not wrong, "\n".join(wrong)

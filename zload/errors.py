@@ -72,6 +72,11 @@ class ArgumentTypeError(ZloadError, TypeError):
     """An argument of a zload call is of a type zload cannot use."""
 
 
+class UnsupportedEnvironmentError(ZloadError):
+    """An installed library is of a version zload does not support (a DeepSpeed older than zload
+    needs); the message names the version installed and the one to install."""
+
+
 class PeerLostError(ZloadError):
     """Talking to the other ranks failed part-way through a step (``stage``): a peer process has
     died or become unreachable. The message says what state the model or folder is left in.

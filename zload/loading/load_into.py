@@ -11,7 +11,6 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from contextlib import contextmanager
 
 import torch
 
@@ -20,7 +19,8 @@ from ..checkpoint.quantized import FP8, Quantization
 from ..checkpoint.views import SharedIndex
 from ..collector import collector_paused
 from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, stage
-from ..errors import ArgumentTypeError, ArgumentValueError, PeerLostError, ZloadWarning
+from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
+from ..integrations.deepspeed import convert_like, drop_secondary, engine_writes, flat_partition
 from ..kernels import scatter_cast, zero_segment
 from ..model.init import is_unloaded, mark_loaded
 from ..model.names import KeyMap, match
@@ -36,43 +36,13 @@ from .slow_path import load_converted
 logger = logging.getLogger("zload")
 
 
-@contextmanager
-def _engine_writes(engine):
-    """Keep a live engine consistent around in-place writes into its (partitioned) parameters.
-
-    ZeRO-3 needs persistent parameters partitioned first and re-gathered after; every optimizer
-    that keeps fp32 masters (ZeRO-1/2/3, bf16, fp16) must refresh them, or its next step would
-    write the old weights back.
-    """
-    optimizer = getattr(engine, "optimizer", None)
-    prologue = getattr(optimizer, "checkpoint_event_prologue", None)
-    if prologue:
-        with collective():
-            prologue()  # partition persistent (replicated) parameters
-    try:
-        yield
-    except PeerLostError:
-        raise  # a peer is gone: no collective can set the engine right again
-    except BaseException:
-        if prologue:
-            with collective():
-                optimizer.checkpoint_event_epilogue()
-        raise
-    with stage("updating the engine after the load", "The weights are written, but the engine's "
-               "fp32 masters or persistent parameters may not be: do not train on with it."), collective():
-        if hasattr(optimizer, "refresh_fp32_params"):
-            optimizer.refresh_fp32_params()  # fp32 masters <- the weights just written
-        if prologue:
-            optimizer.checkpoint_event_epilogue()  # drop hpZ secondaries, re-gather persistent params
-
-
 def _destinations(plan: LoadPlan) -> list[torch.Tensor | None]:
     """Flat tensors the executor writes into, one per target (None where nothing is loaded)."""
     dests: list[torch.Tensor | None] = [None] * len(plan.targets)
     for i, source in plan.sources.items():
         target = plan.targets[i]
         if target.kind == PARTITION:
-            dests[i] = target.tensor.ds_tensor.data.view(-1)
+            dests[i] = flat_partition(target.tensor)
         elif target.kind == ORPHAN:
             dests[i] = torch.empty(source.shape, dtype=getattr(torch, target.dtype)).view(-1)
         else:
@@ -90,7 +60,7 @@ def _finish_partitions(plan: LoadPlan, dests) -> None:
             part = target.partition
             if part.size > part.valid:
                 padding.append(zero_segment(i, part.valid, part.size - part.valid))
-            target.tensor.ds_secondary_tensor = None
+            drop_secondary(target.tensor)
             mark_loaded(target.tensor)
     scatter_cast(torch.empty(0, dtype=torch.uint8), padding, dests)
 
@@ -104,13 +74,13 @@ def _repair_orphans(module, plan: LoadPlan, dests) -> None:
         param = target.tensor
         param.data = dests[i].view(source.shape)
         with collective():
-            zero_sibling(module, target.name).convert_to_zero_parameters([param])
+            convert_like(zero_sibling(module, target.name), param)
         _zero_padding(param)
 
 
 def _zero_padding(param) -> None:
     """DeepSpeed allocates partition padding uninitialised; make it zeros."""
-    param.ds_tensor.data.view(-1)[zero_partition(param).valid:].zero_()
+    flat_partition(param)[zero_partition(param).valid:].zero_()
 
 
 VERIFY = ("sample", "full")
@@ -220,7 +190,7 @@ def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, r
     remote = [i for i in plan.items if i.file in shared.remote_files]
     dests = _destinations(plan)
     failed = f"zload: loading {source} failed part-way; the model is partly written"
-    with _engine_writes(engine):
+    with engine_writes(engine):
         with stage(f"reading {source}", _PARTLY):
             with progress_for(sum(i.nbytes for i in local), rank=rank, enabled=progress) as bar:
                 bytes_read, problems = problems_of(

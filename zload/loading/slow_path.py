@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..checkpoint.views import SharedIndex
 from ..distributed import agree, collective, comm_device, problems_of, rank_and_world
 from ..errors import ZloadError
+from ..integrations.deepspeed import zero3_group
 from ..model.targets import PARTITION
 from .execute import read_tensor
 from .plan import LoadPlan
@@ -81,7 +82,7 @@ def _deliver_partition(target, tensor, dst: torch.Tensor, reader: int) -> None:
     if world == 1:
         dst[:part.valid].copy_(tensor[mine])
         return
-    group = target.tensor.ds_process_group
+    group = zero3_group(target.tensor)
     if dist.get_world_size(group) != world:
         full = tensor if tensor is not None else torch.empty(part.numel, dtype=dst.dtype)
         full = full.to(comm_device())

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ..checkpoint.index import read_json_file
 from ..errors import ArgumentTypeError, ArgumentValueError, CheckpointError
+from ..integrations.deepspeed import config_model
 from ..report import brief
 
 # top-level sections DeepSpeed 0.19.8 reads as objects (``**section``, ``section.get``) whenever it
@@ -166,10 +167,8 @@ class _Checker:
     def zero_section(self, zero3: bool):
         """The ZeRO section as DeepSpeed reads it (``true``/``false``: its deprecated form of stage
         1 and 0, whose other keys zload does not read)."""
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
         section = self.values.get("zero_optimization", {})
-        zero = self.parsed(DeepSpeedZeroConfig, ("zero_optimization",),
+        zero = self.parsed(config_model("zero_optimization"), ("zero_optimization",),
                            {"stage": int(section)} if isinstance(section, bool) else section)
         if zero3 and zero.stage != 3:
             key = self.key("zero_optimization", "stage")
@@ -188,13 +187,10 @@ class _Checker:
     def precision(self, bf16: str) -> tuple[dict[str, dict], str | None]:
         """The precision sections as DeepSpeed reads them (bfloat16's under the key "bf16"), and the
         dtype they enable."""
-        from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-
         sections, enabled = {}, []
-        for section, key, model, dtype in (("bf16", bf16, DeepSpeedBF16Config, "bfloat16"),
-                                           ("fp16", "fp16", DeepSpeedFP16Config, "float16")):
+        for section, key, dtype in (("bf16", bf16, "bfloat16"), ("fp16", "fp16", "float16")):
             sections[section] = self.values.get(key) or {}
-            if self.parsed(model, (key,), sections[section]).enabled:
+            if self.parsed(config_model(section), (key,), sections[section]).enabled:
                 enabled.append(dtype)
         if len(enabled) > 1:
             raise self.value_error(f"{self.key(bf16, 'enabled')} and {self.key('fp16', 'enabled')} are both on: "
@@ -202,12 +198,11 @@ class _Checker:
         return sections, (enabled or [None])[0]
 
     def quantized(self, zero) -> tuple[str, ...]:
-        from deepspeed.inference.config import WeightQuantConfig
-
         on = []
         if "weight_quantization" in self.values:
             keys = ("weight_quantization",)
-            if self.parsed(WeightQuantConfig, keys, self.values["weight_quantization"]).quantized_initialization:
+            model = config_model("weight_quantization")
+            if self.parsed(model, keys, self.values["weight_quantization"]).quantized_initialization:
                 on.append(self.key(*keys, "quantized_initialization"))
         if zero.zero_quantized_nontrainable_weights:
             on.append(self.key("zero_optimization", "zero_quantized_nontrainable_weights"))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import importlib
 import mmap
-import os
 import sys
 from contextlib import ExitStack, contextmanager, nullcontext
 
@@ -39,6 +38,24 @@ from torch.overrides import TorchFunctionMode
 
 from ..collector import collector_paused
 from ..errors import ZloadError
+from ..integrations.deepspeed import (
+    attach_first_partition,
+    build_device,
+    convert_to_zero3,
+    first_partition_is_plain,
+    first_partition_layout,
+    flat_partition,
+    is_zero3,
+    library_dir,
+    make_zero_init,
+    outer_tensor_new,
+    partition_by_deepspeed,
+    pin,
+    plain_module_apply,
+    swapped_to_nvme,
+    zero3_shape,
+    zero_init_patches,
+)
 from ..integrations.transformers import skip_weight_init
 from .ds_config import read_ds_config, refuse_weight_quantization
 
@@ -73,7 +90,7 @@ def _replaced(owner, name, value):
 def _has_no_values(tensor) -> bool:
     """A parameter built by ``init`` (meta until the context exits, or partitioned): initialising
     it would only be discarded by the load."""
-    return hasattr(tensor, "ds_id") or (_RECIPE not in tensor.__dict__ and tensor.is_meta)
+    return is_zero3(tensor) or (_RECIPE not in tensor.__dict__ and tensor.is_meta)
 
 
 def _skipping_parameters(initialise):
@@ -169,7 +186,7 @@ class _Deferral(TorchFunctionMode):
             attribute = func.__self__.__name__ if getattr(func, "__name__", "") in ("__get__", "__set__") else None
             if attribute == "device" and self._device_of(args[0]) is not None:
                 return self._device_of(args[0])
-            if args and hasattr(args[0], "ds_id") and args[0].is_meta and (
+            if args and is_zero3(args[0]) and args[0].is_meta and (
                     func in _MOVES or (attribute == "data" and func.__name__ == "__set__" and not args[1].is_meta)):
                 # moved (module.to) or gathered (GatheredParameters), as under zero.Init
                 _leave_meta(args[0], self.device)
@@ -219,19 +236,9 @@ def _import_dynamo() -> None:
     ``Tensor.__new__`` is in place: import it beforehand, under torch's own."""
     if "torch._dynamo" in sys.modules:
         return
-    from deepspeed.runtime.zero import partition_parameters
-
-    nested = partition_parameters.zero_init_context > 0  # an outer zero.Init has patched it
-    with _replaced(torch.Tensor, "__new__", torch.Tensor.__old_new__) if nested else nullcontext():
+    torch_new = outer_tensor_new()  # an outer zero.Init has patched it
+    with _replaced(torch.Tensor, "__new__", torch_new) if torch_new else nullcontext():
         importlib.import_module("torch._dynamo")
-
-
-def _first_partition_is_plain(zero_init) -> bool:
-    """No hpZ secondary partition and no NVMe swapping: ``_allocate_partition`` does all that
-    DeepSpeed's first partitioning of a parameter would."""
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-
-    return zero_init.zero_param_process_group is None and zero_init.remote_device != OffloadDeviceEnum.nvme
 
 
 FRESH_PAGES_FROM = 1 << 20  # bytes: a plain CPU partition this large gets pages the kernel zeroed
@@ -257,14 +264,7 @@ def _allocate_partition(zero_init, param) -> bool:
     freed) was a large part of building a model (benchmarks/README.md, the zload.init targets); the bit-exact tests
     against ``zero.Init`` compare every attribute set here. Returns whether the partition already
     holds zeros (a large one in plain CPU memory: ``_fresh_zeroed``)."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.zero import partition_parameters as zero_partitions
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-
-    world = zero_init._partition_world_size(param)
-    aligned = zero_init._aligned_size(param)
-    device = zero_init.local_device if param.ds_persist else zero_init.remote_device
-    pinned = device == OffloadDeviceEnum.cpu and zero_init.pin_memory
+    aligned, world, device, pinned = first_partition_layout(zero_init, param)
     # the call DeepSpeed makes: inside zero.Init ``torch.empty`` casts a floating tensor to its dtype
     partition = torch.empty(aligned // world, dtype=param.dtype, device=device)
     zeroed = (not pinned and partition.device.type == "cpu" and partition.nbytes >= max(FRESH_PAGES_FROM, 1)
@@ -272,24 +272,9 @@ def _allocate_partition(zero_init, param) -> bool:
     if zeroed:  # the same tensor on zeroed pages (torch.empty's were never touched: freeing them is cheap)
         partition = _fresh_zeroed(partition.numel(), partition.dtype)
     if pinned:
-        partition = get_accelerator().pin_memory(partition)
-    partition.requires_grad = False
-    partition.ds_numel = aligned // world
-    partition.status = zero_partitions.PartitionedParamStatus.AVAILABLE
-    partition.final_location = None
-    param.ds_tensor = partition
-    param.ds_numel_aligned = aligned
-    param.ds_status = zero_partitions.ZeroParamStatus.NOT_AVAILABLE
+        partition = pin(partition)
+    attach_first_partition(param, partition, aligned)
     return zeroed
-
-
-def _print_only_if_asked(print_rank_0):
-    """DeepSpeed's ``print_rank_0`` prints only when asked (``debug``/``force``), but asks
-    torch.distributed for the rank first, thousands of times while a model builds."""
-    def print_if_asked(message, debug=False, force=False):
-        if debug or force:
-            print_rank_0(message, debug=debug, force=force)
-    return print_if_asked
 
 
 def _meta_leftovers(modules) -> list[str]:
@@ -315,28 +300,24 @@ def init(config=None, *, dtype: torch.dtype | None = None, enabled: bool = True,
     ``config`` (a dict or a JSON file's path) is checked first (``zload.ds_config``), and weight
     quantization refused, before DeepSpeed reads either.
     """
-    import deepspeed
-    from deepspeed.runtime.zero import partition_parameters as zero_partitions
-    from deepspeed.runtime.zero.partition_parameters import Init
-
     global _active
     checked = None if config is None else read_ds_config(config, "config")
     config = None if checked is None else checked.values  # read once: DeepSpeed is given what was checked
     if _active or not enabled:  # zero.Init nests the same way: the outermost one decides
-        with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, enabled=enabled, **zero_init_kwargs):
+        with make_zero_init(config, dtype, enabled=enabled, **zero_init_kwargs):
             yield
         return
     refuse_weight_quantization(checked, zero_init_kwargs)
     _import_dynamo()
 
-    zero_init = deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, **zero_init_kwargs)
-    deferral = _Deferral(zero_init.local_device)
+    zero_init = make_zero_init(config, dtype, **zero_init_kwargs)
+    deferral = _Deferral(build_device(zero_init))
     built = []  # (parameter, device its empty data lives on once partitioned)
     modules = []  # every module built, to check that nothing was left on meta
 
     def partition_without_broadcast(self, param):
-        self._convert_to_deepspeed_param(param)
-        param.partition()
+        convert_to_zero3(self, param)
+        partition_by_deepspeed(param)
         setattr(param, _UNLOADED, True)
 
     def partition_without_values(self, param):
@@ -344,23 +325,21 @@ def init(config=None, *, dtype: torch.dtype | None = None, enabled: bool = True,
         computed (zeros, so that one a non-strict load leaves unwritten is not whatever memory
         held; the load would fault the pages in anyway)."""
         zeroed = False
-        if _first_partition_is_plain(self):
+        if first_partition_is_plain(self):
             with torch._C.DisableTorchFunction():  # nothing here is a deferred tensor: skip the mode's checks
-                self._convert_to_deepspeed_param(param)
+                convert_to_zero3(self, param)
                 zeroed = _allocate_partition(self, param)
         else:  # DeepSpeed's own partitioning; the deferral skips its copies from the meta data
-            self._convert_to_deepspeed_param(param)
-            param.partition()
+            convert_to_zero3(self, param)
+            partition_by_deepspeed(param)
         with torch._C.DisableTorchFunction():
-            if not zeroed and param.ds_tensor.final_location is None:  # not swapped out to NVMe
-                param.ds_tensor.zero_()
-            param.data = torch.empty(param.ds_shape, dtype=param.dtype, device="meta")
+            if not zeroed and not swapped_to_nvme(param):
+                flat_partition(param).zero_()
+            param.data = torch.empty(zero3_shape(param), dtype=param.dtype, device="meta")
         setattr(param, _UNLOADED, True)
-        built.append((param, self.local_device))
+        built.append((param, build_device(self)))
 
-    post_init = Init._post_init_method
-
-    def post_init_after_deferral(self, module):
+    def post_init_after_deferral(self, module, convert):
         """Also a child's parameter that this module's ``__init__`` replaced (``self.head.weight
         = nn.Parameter(...)``): DeepSpeed only looks at a module's own."""
         modules.append(module)
@@ -368,11 +347,11 @@ def init(config=None, *, dtype: torch.dtype | None = None, enabled: bool = True,
         try:
             with torch._C.DisableTorchFunction():
                 unbuilt = [param for child in module.modules() for param in child._parameters.values()
-                           if param is not None and param.is_meta and not hasattr(param, "ds_id")]
+                           if param is not None and param.is_meta and not is_zero3(param)]
             for param in unbuilt:
-                if not hasattr(param, "ds_id"):  # a tied parameter is listed once per module holding it
+                if not is_zero3(param):  # a tied parameter is listed once per module holding it
                     partition_without_values(self, param)
-            post_init(self, module)
+            convert()
         finally:
             deferral.partitioning = False
 
@@ -380,18 +359,16 @@ def init(config=None, *, dtype: torch.dtype | None = None, enabled: bool = True,
     try:
         with ExitStack() as stack:
             stack.enter_context(collector_paused())
-            stack.enter_context(_replaced(Init, "_zero_init_param", partition_without_broadcast))
-            stack.enter_context(_replaced(Init, "_post_init_method", post_init_after_deferral))
-            quiet = _print_only_if_asked(zero_partitions.print_rank_0)
-            stack.enter_context(_replaced(zero_partitions, "print_rank_0", quiet))
+            for owner, name, value in zero_init_patches(partition_without_broadcast, post_init_after_deferral):
+                stack.enter_context(_replaced(owner, name, value))
             stack.enter_context(_no_weight_init())
             stack.enter_context(zero_init)
-            old_apply = getattr(torch.nn.Module, "_old_apply", None)
+            old_apply = plain_module_apply()
             if old_apply is not None:  # zero.Init's gathering apply: there is nothing to gather yet
                 stack.enter_context(_replaced(torch.nn.Module, "apply", old_apply))
             for name in _DEFERRED_CONSTRUCTORS:
                 stack.enter_context(_replaced(torch, name, deferral.deferring(
-                    getattr(torch, name), os.path.dirname(deepspeed.__file__))))
+                    getattr(torch, name), library_dir())))
             stack.enter_context(deferral)
             yield
     finally:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +13,18 @@ import torch
 
 from ..checkpoint.partition import Partition
 from ..errors import ArgumentTypeError
+from ..integrations.deepspeed import (
+    as_engine,
+    gathered_status,
+    is_zero3,
+    partition_dtype,
+    partition_size,
+    stored_quantized,
+    swapped_to_nvme,
+    zero3_group,
+    zero3_numel,
+    zero3_shape,
+)
 
 PARTITION = "partition"  # ZeRO-3 parameter: this rank owns a flat slice, written into ds_tensor
 FULL = "full"  # plain parameter or buffer: every rank writes the whole tensor
@@ -40,8 +51,7 @@ class Target:
 
 def unwrap(model):
     """(module, engine or None) for an nn.Module or a DeepSpeedEngine."""
-    deepspeed = sys.modules.get("deepspeed")  # not imported: cannot be an engine; stay light
-    if deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine):
+    if as_engine(model) is not None:
         return model.module, model
     if isinstance(model, torch.nn.Module):
         return model, None
@@ -54,15 +64,14 @@ def dtype_name(dtype) -> str:
 
 def _zero_partition_problem(param, live_engine: bool) -> str | None:
     """Why a ZeRO-3 partition cannot be written in place right now, if it cannot."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
     # A live engine's persistent parameters stay gathered; its optimizer re-partitions them.
-    if not live_engine and param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-        return (f"is gathered ({param.ds_status.name}); load outside GatheredParameters, or pass "
+    status = gathered_status(param)
+    if not live_engine and status is not None:
+        return (f"is gathered ({status}); load outside GatheredParameters, or pass "
                 "the DeepSpeedEngine so zload can re-partition it")
-    if getattr(param.ds_tensor, "final_location", None) == "nvme":
+    if swapped_to_nvme(param):
         return "is offloaded to NVMe, which zload does not load into yet"
-    if hasattr(param.ds_tensor, "ds_quant_scale"):
+    if stored_quantized(param):
         return "is stored quantised (zero_quantized_nontrainable_weights), which zload does not load into yet"
     return None
 
@@ -73,22 +82,22 @@ def zero_partition(param, places: dict | None = None) -> Partition:
     torch.distributed for each of 800 parameters they took about a millisecond of a load."""
     import torch.distributed as dist
 
-    group = param.ds_process_group
+    group = zero3_group(param)
     place = None if places is None else places.get(group)
     if place is None:
         place = dist.get_world_size(group=group), dist.get_rank(group=group)
         if places is not None:
             places[group] = place
-    return Partition(param.ds_numel, *place)
+    return Partition(zero3_numel(param), *place)
 
 
 def _zero_target(names, param, live_engine: bool, places: dict) -> Target:
     part = zero_partition(param, places)
     problem = _zero_partition_problem(param, live_engine)
-    if problem is None and param.ds_tensor.ds_numel != part.size:
-        problem = (f"has a {param.ds_tensor.ds_numel}-element partition where ceil({part.numel}/"
+    if problem is None and partition_size(param) != part.size:
+        problem = (f"has a {partition_size(param)}-element partition where ceil({part.numel}/"
                    f"{part.world}) = {part.size} was expected; unsupported partitioning")
-    return Target(tuple(names), PARTITION, tuple(param.ds_shape), dtype_name(param.ds_tensor.dtype),
+    return Target(tuple(names), PARTITION, zero3_shape(param), dtype_name(partition_dtype(param)),
                   True, part, problem, param)
 
 
@@ -99,13 +108,13 @@ def collect_targets(module, live_engine: bool = False) -> list[Target]:
     """
     params, buffers = _members(module)
 
-    under_zero3 = any(hasattr(p, "ds_id") for p, _ in params.values())
+    under_zero3 = any(is_zero3(p) for p, _ in params.values())
     targets, places = [], {}
     for p, names in params.values():
-        if hasattr(p, "ds_id"):
+        if is_zero3(p):
             targets.append(_zero_target(names, p, live_engine, places))
         elif under_zero3 and p.numel() == 0:
-            dtype = dtype_name(zero_sibling(module, names[0]).ds_tensor.dtype)
+            dtype = dtype_name(partition_dtype(zero_sibling(module, names[0])))
             targets.append(Target(tuple(names), ORPHAN, (), dtype, True, tensor=p))
         else:
             targets.append(_full_target(names, p, required=True))
@@ -121,7 +130,7 @@ def zero_sibling(module, name: str):
     for depth in range(len(path), -1, -1):
         owner = module.get_submodule(".".join(path[:depth]))
         for p in owner.parameters():
-            if hasattr(p, "ds_id"):
+            if is_zero3(p):
                 return p
     raise AssertionError("zero_sibling called on a model without ZeRO-3 parameters")
 

@@ -32,6 +32,7 @@ from ..distributed import (
     reader_count,
 )
 from ..errors import WriteError, ZloadError
+from ..integrations.deepspeed import flat_partition, full_master, gathered_parameters, local_master
 from ..integrations.peft import peft_info
 from ..integrations.transformers import revert_conversion
 from ..loading.execute import byte_view, execute
@@ -47,11 +48,9 @@ def partition_sources(targets: list[Target], master_weights: bool) -> dict[int, 
     sources = {}
     for i, t in enumerate(targets):
         if t.kind == PARTITION:
-            source = t.tensor.ds_tensor.data.view(-1)
+            source = flat_partition(t.tensor)
             if master_weights and t.tensor.requires_grad:
-                from deepspeed.utils import safe_get_local_fp32_param
-
-                source = safe_get_local_fp32_param(t.tensor).view(-1)
+                source = local_master(t.tensor).view(-1)
             sources[i] = source
         elif t.kind != ORPHAN:
             sources[i] = t.tensor.data.view(-1)
@@ -238,14 +237,12 @@ def write_converted(module, targets: list[Target], files: list[OutFile], folder:
     written, gathered = 0, []
     if not groups:
         return written, gathered
-    import deepspeed
-
     rank, world = rank_and_world()
     for k, group in enumerate(groups):
         writer = k % world if shared else 0
         params = [targets[i].tensor for i in group if targets[i].kind == PARTITION]
         problems = []
-        with collective(), deepspeed.zero.GatheredParameters(params):
+        with collective(), gathered_parameters(params):
             # every rank: gathering a master is a collective
             full = {targets[i].name: _full_value(targets[i], master_weights) for i in group}
             if rank == writer:
@@ -273,9 +270,7 @@ def write_converted(module, targets: list[Target], files: list[OutFile], folder:
 def _full_value(target: Target, master_weights: bool) -> torch.Tensor:
     """A gathered target's whole tensor: its fp32 master where asked for and kept, else its data."""
     if master_weights and target.kind == PARTITION and target.tensor.requires_grad:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        master = safe_get_full_fp32_param(target.tensor)
+        master = full_master(target.tensor)
         if master is not None:
             return master
     return target.tensor.data

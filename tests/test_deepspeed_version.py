@@ -1,0 +1,114 @@
+"""The DeepSpeed versions zload uses: refused below the first release with the internals it uses,
+warned about from the first minor release it is not tested with, checked once per process."""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import pytest
+from safetensors.torch import save_file
+
+import zload
+from tests import models
+from tests.harness import run_world
+from tests.zero3 import DS_CONFIG, build_zero, check_against, load_expected
+from zload.errors import UnsupportedEnvironmentError, ZloadWarning
+from zload.integrations import deepspeed as integration
+
+
+@pytest.mark.parametrize("version", ["0.19.3", "0.19.8", "0.19.8+8c41d2f", "0.19.10.dev0"])
+def test_a_tested_version_passes_silently(version):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        integration.check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.19.2", "0.19.0", "0.18.9", "0.16.0", "0.9"])
+def test_an_older_version_is_refused_naming_it_and_what_to_install(version):
+    with pytest.raises(UnsupportedEnvironmentError) as raised:
+        integration.check_version(version)
+    message = str(raised.value)
+    assert f"DeepSpeed {version} is installed" in message
+    assert "0.19.3 or later" in message and "tested with DeepSpeed 0.19.x (0.19.8)" in message
+    assert "pip install 'deepspeed>=0.19.3'" in message
+    assert isinstance(raised.value, zload.ZloadError)
+    assert zload.UnsupportedEnvironmentError is UnsupportedEnvironmentError
+
+
+@pytest.mark.parametrize("version", ["0.20.0", "0.20.0rc1", "0.21", "1.0.0"])
+def test_a_newer_minor_version_is_warned_about_not_refused(version):
+    with pytest.warns(ZloadWarning, match=rf"DeepSpeed {version} is installed.*tested with DeepSpeed 0\.19\.x"):
+        integration.check_version(version)
+
+
+def test_an_unreadable_version_is_warned_about():
+    with pytest.warns(ZloadWarning, match="cannot read DeepSpeed's version 'main'"):
+        integration.check_version("main")
+
+
+def test_the_installed_version_passes():
+    import deepspeed
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        integration.check_version(deepspeed.__version__)
+        assert integration._deepspeed() is deepspeed
+
+
+@contextmanager
+def _installed(version: str):
+    """DeepSpeed reporting ``version`` while active, and zload not yet having checked it."""
+    import deepspeed
+
+    installed = deepspeed.__version__
+    deepspeed.__version__ = version
+    integration._deepspeed.cache_clear()
+    try:
+        yield
+    finally:
+        deepspeed.__version__ = installed
+        integration._deepspeed.cache_clear()
+
+
+class Refused(NamedTuple):
+    load: str  # the class, message and ranks of load_into's error
+    ranks: tuple[int, ...] | None
+    init: str  # and zload.init's
+
+
+def _load_under_old_deepspeed(path):
+    model = build_zero(models.ParamsOnly)
+    with _installed("0.18.9"):
+        with pytest.raises(UnsupportedEnvironmentError) as load:
+            zload.load_into(model, path)
+        with pytest.raises(UnsupportedEnvironmentError) as init, zload.init(DS_CONFIG):
+            models.ParamsOnly()
+    return Refused(str(load.value), load.value.ranks, str(init.value))
+
+
+def test_an_older_deepspeed_is_refused_on_every_rank_before_anything_is_written(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file(models.state_with_seed(models.ParamsOnly, seed=3), str(path))
+    for refused in run_world(2, _load_under_old_deepspeed, path):
+        assert "DeepSpeed 0.18.9 is installed, but zload needs DeepSpeed 0.19.3 or later" in refused.load
+        assert "the model was not changed" in refused.load and refused.ranks == (0, 1)
+        assert "DeepSpeed 0.18.9 is installed" in refused.init
+
+
+def _load_twice_under_new_deepspeed(path):
+    model = build_zero(models.ParamsOnly)
+    with _installed("0.20.1"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zload.load_into(model, path)
+        zload.load_into(model, path)
+    check_against(model, load_expected(path))
+    return [str(w.message) for w in caught if issubclass(w.category, ZloadWarning)]
+
+
+def test_a_newer_deepspeed_is_warned_about_once_and_loads(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file(models.state_with_seed(models.ParamsOnly, seed=4), str(path))
+    for warned in run_world(2, _load_twice_under_new_deepspeed, path):
+        assert len(warned) == 1 and "DeepSpeed 0.20.1 is installed" in warned[0], warned

@@ -1,0 +1,338 @@
+"""DeepSpeed: every use zload makes of DeepSpeed's internals, in one place.
+
+zload writes ZeRO-3 partitions in place, so it reads and sets the attributes DeepSpeed keeps on its
+parameters (``ds_tensor``, ``ds_shape``, ``ds_process_group``...), calls methods of an engine's
+optimizer and of ``zero.Init`` that are no public API, parses configs with DeepSpeed's own models,
+and patches zero.Init while ``zload.init`` builds a model. DeepSpeed promises none of that across
+releases. This is the only module that touches it (tests/test_layout.py checks), through small
+functions each saying what it reads or does and why; no other module imports DeepSpeed.
+
+The installed DeepSpeed's version is checked once per process, at zload's first use of DeepSpeed
+(importing zload imports no DeepSpeed): zload is tested with DeepSpeed 0.19.x (0.19.8), and
+refuses a release older than 0.19.3 (``UnsupportedEnvironmentError``), the first that has the
+``Init._partition_world_size`` that ``zload.init`` calls. From 0.20 on it warns (``ZloadWarning``)
+once and goes on: the internals it uses may well still be there.
+
+Geometry that mirrors DeepSpeed's arithmetic without touching its objects
+(``checkpoint.partition``) and the reading of DeepSpeed's checkpoint files (``checkpoint.native``)
+live with the checkpoint code.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from ..distributed import collective, stage
+from ..errors import PeerLostError, UnsupportedEnvironmentError, ZloadWarning
+
+MINIMUM_VERSION = (0, 19, 3)  # the first release with every internal used here
+TESTED_VERSION = "0.19.8"  # the release the test suite runs
+UNTESTED_FROM = (0, 20)  # the first minor release not tested: warned about, not refused
+_TESTED = f"zload is tested with DeepSpeed 0.19.x ({TESTED_VERSION})"
+
+
+def check_version(version: str) -> None:
+    """Refuse a DeepSpeed ``version`` older than ``MINIMUM_VERSION``; warn about one from
+    ``UNTESTED_FROM`` on, or one whose number cannot be read (a local build)."""
+    number = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if number is None:
+        warnings.warn(f"zload: cannot read DeepSpeed's version {version!r}; {_TESTED}", ZloadWarning, stacklevel=2)
+        return
+    release = tuple(int(part or 0) for part in number.groups())
+    minimum, untested = (".".join(map(str, v)) for v in (MINIMUM_VERSION, UNTESTED_FROM))
+    if release < MINIMUM_VERSION:
+        raise UnsupportedEnvironmentError(
+            f"DeepSpeed {version} is installed, but zload needs DeepSpeed {minimum} or later: it uses DeepSpeed "
+            f"internals that {minimum} introduced, and {_TESTED}. Upgrade it: pip install 'deepspeed>={minimum}'")
+    if release[:2] >= UNTESTED_FROM:
+        warnings.warn(f"zload: DeepSpeed {version} is installed, and {_TESTED}: zload uses DeepSpeed internals "
+                      f"that may have changed since. If a load or save fails, install a tested DeepSpeed: "
+                      f"pip install 'deepspeed>={minimum},<{untested}'", ZloadWarning, stacklevel=2)
+
+
+@functools.cache
+def _deepspeed():
+    """The ``deepspeed`` module, its version checked: once per process (a refusal is not cached,
+    so every later use raises it again)."""
+    import deepspeed
+
+    check_version(deepspeed.__version__)
+    return deepspeed
+
+
+def _partition_parameters():
+    """``deepspeed.runtime.zero.partition_parameters``: zero.Init, its statuses and its globals."""
+    _deepspeed()
+    from deepspeed.runtime.zero import partition_parameters
+
+    return partition_parameters
+
+
+# ---- the model: a ZeRO-3 parameter and its partition
+
+
+def is_zero3(tensor) -> bool:
+    """Whether ``tensor`` is a ZeRO-3 parameter (DeepSpeed numbers each one, ``ds_id``)."""
+    return hasattr(tensor, "ds_id")
+
+
+def zero3_shape(param) -> tuple[int, ...]:
+    """The full shape of ZeRO-3 parameter ``param``; its ``data`` is empty while partitioned."""
+    return tuple(param.ds_shape)
+
+
+def zero3_numel(param) -> int:
+    """The elements of the full (unpartitioned) ZeRO-3 parameter ``param``."""
+    return param.ds_numel
+
+
+def zero3_group(param):
+    """The process group ``param`` is partitioned over (smaller than the world under expert
+    parallelism or an explicit ``data_parallel_group``)."""
+    return param.ds_process_group
+
+
+def partition_size(param) -> int:
+    """The elements of this rank's partition of ``param``, padding included."""
+    return param.ds_tensor.ds_numel
+
+
+def partition_dtype(param) -> torch.dtype:
+    """The dtype this rank's partition is stored in: what a load writes (not necessarily the
+    dtype zero.Init was asked for)."""
+    return param.ds_tensor.dtype
+
+
+def flat_partition(param) -> torch.Tensor:
+    """This rank's partition of ``param``, flat, to write into in place: under a live engine it is
+    a view into the optimizer's flat buffer, which must not be replaced."""
+    return param.ds_tensor.data.view(-1)
+
+
+def gathered_status(param) -> str | None:
+    """The name of ``param``'s status if it is gathered (or being gathered), else None: a write
+    into the partition of a gathered parameter would be overwritten when it is released."""
+    status = _partition_parameters().ZeroParamStatus
+    return None if param.ds_status == status.NOT_AVAILABLE else param.ds_status.name
+
+
+def swapped_to_nvme(param) -> bool:
+    """Whether ``param``'s partition is swapped out to NVMe (its ``ds_tensor`` is a placeholder)."""
+    return getattr(param.ds_tensor, "final_location", None) == "nvme"
+
+
+def stored_quantized(param) -> bool:
+    """Whether ``param``'s partition is stored quantised (``zero_quantized_nontrainable_weights``)."""
+    return hasattr(param.ds_tensor, "ds_quant_scale")
+
+
+def drop_secondary(param) -> None:
+    """Drop ``param``'s ZeRO++ hpZ secondary partition after its primary one was written: it would
+    be stale; DeepSpeed rebuilds it at the next partitioning."""
+    param.ds_secondary_tensor = None
+
+
+def convert_like(sibling, param) -> None:
+    """Make plain parameter ``param`` a ZeRO-3 parameter in ZeRO-3 parameter ``sibling``'s process
+    group, broadcast from its first rank (a collective)."""
+    sibling.convert_to_zero_parameters([param])
+
+
+# ---- the engine
+
+
+def as_engine(model):
+    """``model`` if it is a ``DeepSpeedEngine``, else None. DeepSpeed is not imported for this:
+    an engine exists only once its user imported DeepSpeed."""
+    deepspeed = sys.modules.get("deepspeed")
+    if deepspeed is None or not isinstance(model, deepspeed.DeepSpeedEngine):
+        return None
+    _deepspeed()
+    return model
+
+
+@contextmanager
+def engine_writes(engine):
+    """Keep a live engine (or None) consistent around in-place writes into its (partitioned)
+    parameters.
+
+    ZeRO-3 needs persistent parameters partitioned first and re-gathered after; every optimizer
+    that keeps fp32 masters (ZeRO-1/2/3, bf16, fp16) must refresh them, or its next step would
+    write the old weights back.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    prologue = getattr(optimizer, "checkpoint_event_prologue", None)
+    if prologue:
+        with collective():
+            prologue()  # partition persistent (replicated) parameters
+    try:
+        yield
+    except PeerLostError:
+        raise  # a peer is gone: no collective can set the engine right again
+    except BaseException:
+        if prologue:
+            with collective():
+                optimizer.checkpoint_event_epilogue()
+        raise
+    with stage("updating the engine after the load", "The weights are written, but the engine's "
+               "fp32 masters or persistent parameters may not be: do not train on with it."), collective():
+        if hasattr(optimizer, "refresh_fp32_params"):
+            optimizer.refresh_fp32_params()  # fp32 masters <- the weights just written
+        if prologue:
+            optimizer.checkpoint_event_epilogue()  # drop hpZ secondaries, re-gather persistent params
+
+
+def local_master(param) -> torch.Tensor:
+    """This rank's partition of ``param``'s fp32 master weights, kept by the engine's optimizer."""
+    _deepspeed()
+    from deepspeed.utils import safe_get_local_fp32_param
+
+    return safe_get_local_fp32_param(param)
+
+
+def full_master(param) -> torch.Tensor | None:
+    """``param``'s whole fp32 master weights (None if the optimizer keeps none), gathered: a
+    collective, inside ``gathered_parameters``."""
+    _deepspeed()
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(param)
+
+
+def gathered_parameters(params):
+    """DeepSpeed's ``GatheredParameters``: ``params`` whole on every rank while active."""
+    return _deepspeed().zero.GatheredParameters(params)
+
+
+# ---- the config
+
+
+def config_model(section: str):
+    """DeepSpeed's own pydantic model of config ``section`` ("zero_optimization", "bf16", "fp16" or
+    "weight_quantization"): parsing the section with it accepts exactly what DeepSpeed accepts."""
+    _deepspeed()
+    if section == "zero_optimization":
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig as model
+    elif section == "weight_quantization":
+        from deepspeed.inference.config import WeightQuantConfig as model
+    else:
+        from deepspeed.runtime import precision_config
+
+        model = {"bf16": precision_config.DeepSpeedBF16Config, "fp16": precision_config.DeepSpeedFP16Config}[section]
+    return model
+
+
+# ---- zero.Init, as zload.init builds under it
+
+
+def make_zero_init(config, dtype, **kwargs):
+    """``deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, **kwargs)``."""
+    return _deepspeed().zero.Init(config_dict_or_path=config, dtype=dtype, **kwargs)
+
+
+def library_dir() -> str:
+    """DeepSpeed's package folder: a call made from a file under it is DeepSpeed's own."""
+    return os.path.dirname(_deepspeed().__file__)
+
+
+def build_device(zero_init):
+    """The device ``zero_init`` builds parameters on, and the tensors it constructs."""
+    return zero_init.local_device
+
+
+def outer_tensor_new():
+    """torch's own ``Tensor.__new__`` while an outer zero.Init has replaced it (DeepSpeed keeps
+    it as ``__old_new__``), else None."""
+    return torch.Tensor.__old_new__ if _partition_parameters().zero_init_context > 0 else None
+
+
+def plain_module_apply():
+    """``nn.Module.apply`` as it was before zero.Init replaced it by one that gathers each
+    parameter first (None where it has not)."""
+    return getattr(torch.nn.Module, "_old_apply", None)
+
+
+def zero_init_patches(init_param, post_init) -> list[tuple[object, str, object]]:
+    """(owner, name, replacement) that ``zload.init`` puts in place while its zero.Init is
+    active: ``init_param(zero_init, param)`` makes each new parameter ZeRO-3 in place of
+    ``Init._zero_init_param`` (which broadcasts it first); ``post_init(zero_init, module,
+    convert)`` runs in place of ``Init._post_init_method`` after each module's ``__init__``,
+    ``convert()`` being DeepSpeed's conversion of the module's own parameters; and DeepSpeed's
+    ``print_rank_0`` formats no message it drops."""
+    partition_parameters = _partition_parameters()
+    init = partition_parameters.Init
+    convert = init._post_init_method
+
+    def post_init_method(self, module):
+        post_init(self, module, lambda: convert(self, module))
+
+    return [(init, "_zero_init_param", init_param), (init, "_post_init_method", post_init_method),
+            (partition_parameters, "print_rank_0", _print_only_if_asked(partition_parameters.print_rank_0))]
+
+
+def _print_only_if_asked(print_rank_0):
+    """DeepSpeed's ``print_rank_0`` prints only when asked (``debug``/``force``), but asks
+    torch.distributed for the rank first, thousands of times while a model builds."""
+    def print_if_asked(message, debug=False, force=False):
+        if debug or force:
+            print_rank_0(message, debug=debug, force=force)
+    return print_if_asked
+
+
+def convert_to_zero3(zero_init, param) -> None:
+    """Give ``param`` the attributes and methods of a ZeRO-3 parameter, not yet partitioned."""
+    zero_init._convert_to_deepspeed_param(param)
+
+
+def partition_by_deepspeed(param) -> None:
+    """DeepSpeed's own partitioning of ZeRO-3 parameter ``param`` (its full data copied in)."""
+    param.partition()
+
+
+def first_partition_is_plain(zero_init) -> bool:
+    """No hpZ secondary partition and no NVMe swapping: ``first_partition_layout`` and
+    ``attach_first_partition`` do all that DeepSpeed's first partitioning of a parameter would."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    return zero_init.zero_param_process_group is None and zero_init.remote_device != OffloadDeviceEnum.nvme
+
+
+def first_partition_layout(zero_init, param) -> tuple[int, int, object, bool]:
+    """(elements of ``param`` padded to a multiple of the world, that world, device, pinned) of
+    the partition that DeepSpeed's ``Init._partition_param`` allocates the first time it
+    partitions ``param``."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    world = zero_init._partition_world_size(param)
+    aligned = zero_init._aligned_size(param)
+    device = zero_init.local_device if param.ds_persist else zero_init.remote_device
+    pinned = device == OffloadDeviceEnum.cpu and zero_init.pin_memory
+    return aligned, world, device, pinned
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in pinned memory, as DeepSpeed pins offloaded partitions."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().pin_memory(tensor)
+
+
+def attach_first_partition(param, partition: torch.Tensor, aligned: int) -> None:
+    """Make ``partition`` (allocated as ``first_partition_layout`` says) ``param``'s partition,
+    with every attribute ``Init._partition_param`` sets; the bit-exact tests against zero.Init
+    compare them all."""
+    statuses = _partition_parameters()
+    partition.requires_grad = False
+    partition.ds_numel = partition.numel()
+    partition.status = statuses.PartitionedParamStatus.AVAILABLE
+    partition.final_location = None
+    param.ds_tensor = partition
+    param.ds_numel_aligned = aligned
+    param.ds_status = statuses.ZeroParamStatus.NOT_AVAILABLE
