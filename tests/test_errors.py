@@ -111,6 +111,25 @@ def test_bad_arguments_are_value_and_type_errors(tmp_path):
     assert isinstance(info.value, zload.ArgumentTypeError) and info.value.ranks == (0,)
 
 
+def test_a_mode_is_its_string_and_a_wrong_one_names_the_values_allowed(tmp_path, monkeypatch):
+    """Modes are str enums: users pass strings, members equal and print as them; a string that is
+    no mode is an ArgumentValueError listing the modes (an environment variable's too)."""
+    from zload.checkpoint.views import Verify
+    from zload.kernels import backend
+    from zload.model.targets import Kind
+
+    assert Verify.of("full", "verify") is Verify.FULL and Verify.of(Verify.FULL, "verify") is Verify.FULL
+    assert Verify.FULL == "full" and f"{Verify.FULL}" == "full" and Kind.PARTITION == "partition"
+    with pytest.raises(zload.ArgumentValueError, match=r"^verify=\['full'\]: expected one of 'sample', 'full'$"):
+        Verify.of(["full"], "verify")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(zload.ArgumentValueError, match="weights='fp16': expected one of 'master', 'module'"):
+        zload.convert(tmp_path / "plain", tmp_path / "out", weights="fp16")
+    monkeypatch.setenv("ZLOAD_KERNEL", "cuda")
+    with pytest.raises(zload.ArgumentValueError, match="ZLOAD_KERNEL='cuda': expected one of 'auto', 'torch', 'trit"):
+        backend()
+
+
 def test_a_plan_error_is_a_value_error(tmp_path):
     save_file({"weight": torch.ones(3, 3), "bias": torch.ones(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError) as info:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..checkpoint.hub import download
 from ..checkpoint.open import refuse_revision
-from ..checkpoint.views import LocalView, SharedIndex, local_view, share_index, verify_fully
+from ..checkpoint.views import LocalView, SharedIndex, Verify, local_view, share_index, verify_fully
 from ..distributed import Arguments, Problem, digest, exchange, problems_of, raise_for, reduce_max, same_everywhere
 from ..errors import PlanError
 from .plan import LoadPlan, collectives_differing
@@ -61,7 +61,7 @@ def _agree_on_plans(plan: LoadPlan | None, problems: list[Problem], troubled: bo
                         "same way on every rank)", ranks=tuple(range(len(gathered))))
 
 
-def open_agreed(path: str, revision: str | None, verify: str, arguments: Arguments,
+def open_agreed(path: str, revision: str | None, verify: Verify, arguments: Arguments,
                 plan_load) -> tuple[str, SharedIndex, LoadPlan]:
     """Index the checkpoint and plan the load on every rank; raise on all if any rank cannot.
 
@@ -79,7 +79,7 @@ def open_agreed(path: str, revision: str | None, verify: str, arguments: Argumen
     try:
         plan, problems = _planned(plan_load, view.shared()) if view.whole else (None, [])
         same, troubled, differing = _settled(view, arguments, plan, problems)
-        if verify == "full":  # on every rank, as settled
+        if verify == Verify.FULL:  # on every rank, as settled
             verify_fully(view)
             same, troubled, differing = _settled(view, arguments, plan, problems)
         if same:  # the same whole checkpoint everywhere
@@ -92,7 +92,7 @@ def open_agreed(path: str, revision: str | None, verify: str, arguments: Argumen
             view.close()
             source = download(path, revision)
             view = local_view(source, verify)
-            if verify == "full":
+            if verify == Verify.FULL:
                 verify_fully(view)
             shared = share_index(view, _refused(source))
             view.forget_sampled()

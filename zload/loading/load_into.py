@@ -12,12 +12,13 @@ import time
 import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
+from enum import Enum
 
 import torch
 
 from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.quantized import FP8, Quantization
-from ..checkpoint.views import SharedIndex
+from ..checkpoint.views import SharedIndex, Verify
 from ..collector import collector_paused
 from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, stage
 from ..errors import ArgumentTypeError, ArgumentValueError, PeerLostError, ZloadWarning
@@ -26,7 +27,7 @@ from ..model.init import is_unloaded, mark_loaded
 from ..model.names import KeyMap, match
 from ..model.targets import ORPHAN, PARTITION, collect_targets, unwrap, zero_partition, zero_sibling
 from ..progress import progress_for
-from ..report import LoadReport, brief, shortened
+from ..report import LoadReport, shortened
 from .agree import open_agreed
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .peers import fetch_remote
@@ -113,7 +114,6 @@ def _zero_padding(param) -> None:
     param.ds_tensor.data.view(-1)[zero_partition(param).valid:].zero_()
 
 
-VERIFY = ("sample", "full")
 _UNCHANGED = "The model was not changed."
 _PARTLY = "The model is partly written: load it again before using it."
 
@@ -146,7 +146,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
-    module, engine, path, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify)
+    module, engine, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify)
 
     def plan_load(index: CheckpointIndex, remote_files: frozenset[str], quantization: Quantization) -> LoadPlan:
         targets = collect_targets(module, engine is not None)
@@ -179,11 +179,12 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
 
 
 def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tuple:
-    """(module, engine or None, path, ``Arguments``) of a ``load_into`` call. The ranks compare every
-    argument but ``progress`` (a bar on rank 0 alone) and where ``path`` leads (node-local copies
-    may lie at different paths; their views are compared instead): the model and a callable
-    ``key_map`` by kind (what the model makes of the call is compared as the plans' collectives).
-    An invalid argument is not raised here but once the ranks know they all passed it."""
+    """(module, engine or None, path, ``Verify``, ``Arguments``) of a ``load_into`` call. The ranks
+    compare every argument but ``progress`` (a bar on rank 0 alone) and where ``path`` leads
+    (node-local copies may lie at different paths; their views are compared instead): the model and
+    a callable ``key_map`` by kind (what the model makes of the call is compared as the plans'
+    collectives), a mode by its string. An invalid argument is not raised here but once the ranks
+    know they all passed it."""
     module = engine = invalid = None
     try:
         module, engine = unwrap(model)
@@ -194,14 +195,17 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tupl
     except TypeError:
         invalid = invalid or ArgumentTypeError(f"zload.load_into expects a path (str or os.PathLike), got "
                                                f"{type(path).__name__}")
-    if verify not in VERIFY:
-        invalid = invalid or ArgumentValueError(f"verify={brief(verify)}: expected one of "
-                                                f"{', '.join(map(repr, VERIFY))}")
+    try:
+        verify = Verify.of(verify, "verify")
+    except ArgumentValueError as e:
+        invalid = invalid or e
 
     def kind(value) -> str:
         return f"a {type(value).__name__}"
 
     def plain(value):  # what any rank can repr and send, and another compare
+        if isinstance(value, Enum):
+            return value.value
         return value if value is None or isinstance(value, (bool, int, float, str)) else kind(value)
 
     model_kind = "a DeepSpeedEngine" if engine is not None else "an nn.Module" if module is not None else kind(model)
@@ -209,7 +213,7 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tupl
         if isinstance(key_map, Mapping) else plain(key_map)
     values = {"model": model_kind, "path": kind(path), "strict": plain(strict), "key_map": key_map_kind,
               "revision": plain(revision), "staging_bytes": plain(staging_bytes), "verify": plain(verify)}
-    return module, engine, path, Arguments("load_into", values, invalid)
+    return module, engine, path, verify, Arguments("load_into", values, invalid)
 
 
 def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, rank: int,

@@ -13,11 +13,19 @@ from typing import Any
 import torch
 
 from ..checkpoint.partition import Partition
+from ..distributed import Choice
 from ..errors import ArgumentTypeError
 
-PARTITION = "partition"  # ZeRO-3 parameter: this rank owns a flat slice, written into ds_tensor
-FULL = "full"  # plain parameter or buffer: every rank writes the whole tensor
-ORPHAN = "orphan"  # plain [0]-shaped parameter re-created after zero.Init: shape comes from the file
+
+class Kind(Choice):
+    """Where a target's bytes land on this rank."""
+
+    PARTITION = "partition"  # ZeRO-3 parameter: this rank owns a flat slice, written into ds_tensor
+    FULL = "full"  # plain parameter or buffer: every rank writes the whole tensor
+    ORPHAN = "orphan"  # plain [0]-shaped parameter re-created after zero.Init: shape comes from the file
+
+
+PARTITION, FULL, ORPHAN = Kind.PARTITION, Kind.FULL, Kind.ORPHAN  # the names the pipeline compares kinds by
 
 
 @dataclass(frozen=True)
@@ -25,7 +33,7 @@ class Target:
     """One destination tensor of the model, under every name the model gives it."""
 
     names: tuple[str, ...]  # tied weights have several; the first is the canonical one
-    kind: str  # PARTITION, FULL or ORPHAN
+    kind: Kind
     shape: tuple[int, ...]  # full logical shape (ds_shape for partitions); () unused for ORPHAN
     dtype: str  # torch dtype name of the destination, e.g. "bfloat16"
     required: bool  # parameters and persistent buffers must be covered by the checkpoint

@@ -31,8 +31,8 @@ from ..checkpoint.index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
 from ..checkpoint.native import LATEST, converted_tensors, native_folder, read_native
 from ..checkpoint.views import LocalView, share_index, viewed
 from ..collector import collector_paused
-from ..distributed import agree, problems_of, rank_and_world, stage
-from ..errors import ArgumentValueError, CheckpointError, CheckpointNotFoundError, ZloadWarning
+from ..distributed import Choice, agree, problems_of, rank_and_world, stage
+from ..errors import CheckpointError, CheckpointNotFoundError, ZloadWarning
 from ..loading.execute import DEFAULT_STAGING_BYTES
 from ..progress import progress_for
 from ..report import SaveReport, brief
@@ -42,7 +42,14 @@ from .folder import writing
 from .plan import OutFile, OutTensor, WriteItem
 from .save import write_checkpoint
 
-WEIGHTS = ("master", "module")
+
+class Weights(Choice):
+    """Which weights ``convert`` writes."""
+
+    MASTER = "master"  # the fp32 master weights, as zero_to_fp32 returns them
+    MODULE = "module"  # the module's own, 16-bit when trained so
+
+
 CONFIG = "config.json"  # copied from the folder holding the tag folder (an HF Trainer checkpoint-N/)
 _HUB_REPO = re.compile(r"(models|datasets|spaces)--.+")  # a repository's folder in the Hub cache
 
@@ -91,9 +98,7 @@ def _config(root: str) -> tuple[bytes | None, list[str]]:
 
 
 def _read(source: str, weights: str, with_config: bool) -> _Source:
-    if weights not in WEIGHTS:
-        raise ArgumentValueError(f"weights={weights!r}: expected 'master' (the fp32 master weights) or "
-                                 "'module' (the module's own, 16-bit when trained so)")
+    module_weights = Weights.of(weights, "weights") == Weights.MODULE
     folder = native_folder(source)
     if folder is None:
         where = "no such folder" if not os.path.lexists(source) else "not a folder" if not os.path.isdir(source) \
@@ -103,13 +108,13 @@ def _read(source: str, weights: str, with_config: bool) -> _Source:
                                       path=source)
     table = FileTable()
     try:
-        layout, entries = read_native(folder, table, module_weights=weights == "module")
+        layout, entries = read_native(folder, table, module_weights=module_weights)
         config = _config(os.path.dirname(os.path.abspath(folder))) if with_config else (None, [])
         index = CheckpointIndex(source, tuple(table.files), entries, opened=table, root=os.path.abspath(folder))
     except BaseException:
         table.close()
         raise
-    return _Source(viewed(source, index), converted_tensors(layout, entries, weights == "module"), *config)
+    return _Source(viewed(source, index), converted_tensors(layout, entries, module_weights), *config)
 
 
 def _read_agreed(source: str, weights: str, with_config: bool) -> _Source:

@@ -17,7 +17,7 @@ import torch
 from ..checkpoint.digest import DIGEST_KEY, DIGEST_PLACEHOLDER
 from ..checkpoint.index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
 from ..errors import ArgumentValueError, ZloadError
-from ..integrations.peft import peft_info, peft_role
+from ..integrations.peft import Role, peft_info, peft_role
 from ..integrations.transformers import revert_conversion, transformers_model
 from ..loading.plan import element_steps
 from ..model.names import match
@@ -146,7 +146,7 @@ def out_tensors(module, targets: list[Target], dtype: torch.dtype | None) -> tup
         chosen = []
         for i, t in enumerate(targets):
             role, aliases = peft_role(t.name, *peft)
-            if role == "adapter":
+            if role == Role.ADAPTER:
                 chosen.append((i, aliases[0]))
         wanted = [i for i, _ in chosen]
         names = {i: [_as_is(targets, i, name)] for i, name in chosen}
