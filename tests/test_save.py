@@ -194,6 +194,26 @@ def test_buffer_bytes_is_the_old_name_of_staging_bytes(tmp_path):
 
 
 
+def _save_in_dtype(out, dtype):
+    """A ZeRO-3 Linear saved with ``dtype``: the dtypes written, or the error's (class, message)."""
+    model = build_zero(lambda: torch.nn.Linear(4, 3))
+    try:
+        zload.save(model, out, dtype=dtype)
+    except zload.ZloadError as e:
+        return type(e).__name__, str(e)
+    return sorted(str(t.dtype) for t in load_file(f"{out}/model.safetensors").values())
+
+
+def test_dtype_is_a_torch_dtype_or_its_name(tmp_path):
+    """``dtype`` is resolved once, where it enters: torch.bfloat16 and "bfloat16" save the same;
+    a name of no dtype is an ArgumentValueError on every rank (it was an unexpected error)."""
+    for dtype in (torch.bfloat16, "bfloat16", "torch.bfloat16"):
+        assert run_world(2, _save_in_dtype, str(tmp_path / "out"), dtype) == [["torch.bfloat16"] * 2] * 2
+    (kind, message), again = run_world(2, _save_in_dtype, str(tmp_path / "out"), "bfloat17")
+    assert again == (kind, message) and kind == "ArgumentValueError", message
+    assert "dtype='bfloat17': expected a torch.dtype, such as torch.bfloat16" in message
+
+
 def _save_linear(out):
     """Every rank saves a ZeRO-3 128x128 Linear (64 KiB of weights) to ``out``; (error class,
     errno, path, message), or None when the save succeeded."""

@@ -75,7 +75,7 @@ def _destinations(plan: LoadPlan) -> list[torch.Tensor | None]:
         if target.kind == PARTITION:
             dests[i] = target.tensor.ds_tensor.data.view(-1)
         elif target.kind == ORPHAN:
-            dests[i] = torch.empty(source.shape, dtype=getattr(torch, target.dtype)).view(-1)
+            dests[i] = torch.empty(source.shape, dtype=target.dtype).view(-1)
         else:
             dests[i] = target.tensor.data.view(-1)
     return dests

@@ -35,7 +35,7 @@ class Target:
     names: tuple[str, ...]  # tied weights have several; the first is the canonical one
     kind: Kind
     shape: tuple[int, ...]  # full logical shape (ds_shape for partitions); () unused for ORPHAN
-    dtype: str  # torch dtype name of the destination, e.g. "bfloat16"
+    dtype: torch.dtype  # of the destination
     required: bool  # parameters and persistent buffers must be covered by the checkpoint
     partition: Partition | None = None  # only for PARTITION
     problem: str | None = None  # why this tensor cannot be loaded at all (reported by the planner)
@@ -56,7 +56,8 @@ def unwrap(model):
     raise ArgumentTypeError(f"zload.load_into expects an nn.Module or a DeepSpeedEngine, got {type(model).__name__}")
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, as messages and reports name a dtype."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -96,7 +97,7 @@ def _zero_target(names, param, live_engine: bool, places: dict) -> Target:
     if problem is None and param.ds_tensor.ds_numel != part.size:
         problem = (f"has a {param.ds_tensor.ds_numel}-element partition where ceil({part.numel}/"
                    f"{part.world}) = {part.size} was expected; unsupported partitioning")
-    return Target(tuple(names), PARTITION, tuple(param.ds_shape), dtype_name(param.ds_tensor.dtype),
+    return Target(tuple(names), PARTITION, tuple(param.ds_shape), param.ds_tensor.dtype,
                   True, part, problem, param)
 
 
@@ -113,7 +114,7 @@ def collect_targets(module, live_engine: bool = False) -> list[Target]:
         if hasattr(p, "ds_id"):
             targets.append(_zero_target(names, p, live_engine, places))
         elif under_zero3 and p.numel() == 0:
-            dtype = dtype_name(zero_sibling(module, names[0]).ds_tensor.dtype)
+            dtype = zero_sibling(module, names[0]).ds_tensor.dtype
             targets.append(Target(tuple(names), ORPHAN, (), dtype, True, tensor=p))
         else:
             targets.append(_full_target(names, p, required=True))
@@ -140,7 +141,7 @@ def _full_target(names, tensor, required: bool) -> Target:
         problem = "is on the meta device; materialise the model (to_empty) before loading"
     elif not tensor.is_contiguous():
         problem = "is not contiguous"
-    return Target(tuple(names), FULL, tuple(tensor.shape), dtype_name(tensor.dtype), required,
+    return Target(tuple(names), FULL, tuple(tensor.shape), tensor.dtype, required,
                   problem=problem, tensor=tensor)
 
 

@@ -24,10 +24,9 @@ import warnings
 from dataclasses import dataclass
 from math import ceil, prod
 
-import torch
-
+from ..checkpoint.dtypes import TORCH_DTYPES
 from ..checkpoint.files import FileTable, open_regular
-from ..checkpoint.index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry, read_json
+from ..checkpoint.index import SINGLE_FILE, CheckpointIndex, TensorEntry, read_json
 from ..checkpoint.native import LATEST, converted_tensors, native_folder, read_native
 from ..checkpoint.views import LocalView, share_index, viewed
 from ..collector import collector_paused
@@ -143,7 +142,7 @@ def byte_share(files: list[OutFile], rank: int, world: int) -> list[WriteItem]:
     low, high, at, items = total * rank // world, total * (rank + 1) // world, 0, []
     for f in files:
         for tensor, position in f.tensors:
-            size, numel = getattr(torch, tensor.dtype).itemsize, prod(tensor.shape)
+            size, numel = tensor.dtype.itemsize, prod(tensor.shape)
             first, last = (min(numel, max(0, ceil((bound - at) / size))) for bound in (low, high))
             if first < last:
                 items.append(WriteItem(f.name, position + first * size, tensor.pieces[0][0], first,
@@ -154,7 +153,7 @@ def byte_share(files: list[OutFile], rank: int, world: int) -> list[WriteItem]:
 
 def _plan(tensors: list[tuple[TensorEntry, str]], max_shard_size: int | str) -> save_plan.SavePlan:
     """The files, as ``save`` lays them out; each tensor whole from its entry (target ``i``)."""
-    out = [OutTensor(entry.name, DTYPES[dtype][0], entry.shape, ((i, 0, 0, entry.numel),))
+    out = [OutTensor(entry.name, TORCH_DTYPES[dtype], entry.shape, ((i, 0, 0, entry.numel),))
            for i, (entry, dtype) in enumerate(tensors)]
     return save_plan.SavePlan([], save_plan.layout(out, save_plan.parse_size(max_shard_size)), SINGLE_FILE, [])
 

@@ -21,10 +21,10 @@ import torch
 
 from ..collector import collector_paused
 from ..distributed import agree, exchange, problems_of, rank_and_world, stage
-from ..errors import ArgumentTypeError, ZloadWarning
+from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
 from ..loading.execute import DEFAULT_STAGING_BYTES
 from ..model.targets import collect_targets, unwrap
-from ..report import SaveReport
+from ..report import SaveReport, brief
 from . import plan as save_plan
 from . import writer
 from .folder import LOCK, STAGING_PREFIX, SaveFolder
@@ -32,7 +32,7 @@ from .folder import LOCK, STAGING_PREFIX, SaveFolder
 
 @collector_paused()
 def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-         dtype: torch.dtype | None = None, master_weights: bool = False,
+         dtype: torch.dtype | str | None = None, master_weights: bool = False,
          shared_filesystem: bool | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
          buffer_bytes: int | None = None) -> SaveReport:
     """Write ``model`` (an nn.Module, ZeRO-3 or not, or a DeepSpeedEngine) to the folder ``path``.
@@ -43,7 +43,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     adapter alone, as peft does (``adapter_model.safetensors`` + ``adapter_config.json``).
     Every parameter (trainable or frozen) and persistent buffer is written at full shape, tied
     weights once. No rank gathers anything: each writes its own partitions, in pieces of at most
-    ``staging_bytes``. ``dtype`` converts on the way; ``master_weights`` writes a live engine's fp32
+    ``staging_bytes``. ``dtype`` (or its name) converts on the way; ``master_weights`` writes a live engine's fp32
     master weights of trainable parameters. ``shared_filesystem=None`` detects whether all ranks
     see the same folder; if not, ranks stream their slices to rank 0. Must be called by every rank.
     Only zload's own files in ``path`` are written or removed (see ``zload.savedir``); a checkpoint
@@ -64,7 +64,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
         if master_weights and engine is None:
             raise ArgumentTypeError("master_weights=True needs the DeepSpeedEngine, not its module")
         return save_plan.make_save_plan(module, collect_targets(module, live_engine=True),
-                                        torch.float32 if master_weights and dtype is None else dtype,
+                                        torch.float32 if master_weights and dtype is None else _dtype(dtype),
                                         max_shard_size, rank, world)
 
     def write(plan, staging: str, shared: bool, failed: str) -> tuple[int, list[str]]:
@@ -87,6 +87,16 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
         warnings.warn(note, ZloadWarning, stacklevel=3)
     return SaveReport(final, [f.name for f in files], sum(f.size for f in files), written, gathered,
                       time.perf_counter() - started)
+
+
+def _dtype(dtype) -> torch.dtype | None:
+    """``save``'s ``dtype``, a ``torch.dtype`` or its name (``"bfloat16"``), as a ``torch.dtype``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(resolved, torch.dtype):
+        raise ArgumentValueError(f"dtype={brief(dtype)}: expected a torch.dtype, such as torch.bfloat16")
+    return resolved
 
 
 def write_checkpoint(final: str, make_plan, write, write_configs, shared_filesystem: bool | None):
