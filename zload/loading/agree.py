@@ -8,6 +8,8 @@ of the files some rank lacks (``checkpoint.views.share_index``), then plan and a
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from ..checkpoint.hub import download
 from ..checkpoint.open import refuse_revision
 from ..checkpoint.views import LocalView, SharedIndex, Verify, local_view, share_index, verify_fully
@@ -16,11 +18,17 @@ from ..errors import PlanError
 from .plan import LoadPlan, collectives_differing
 
 
-def _planned(plan_load, shared: SharedIndex) -> tuple[LoadPlan | None, list[Problem]]:
-    """``plan_load(index, remote_files, quantization)`` of ``shared``, and its problems (an
-    exception, or the plan's own)."""
-    plan, problems = problems_of("planning", lambda: plan_load(shared.index, shared.remote_files,
-                                                              shared.quantization))
+class Planner(Protocol):
+    """Plans one rank's load, on every rank, once the ranks see the checkpoint the same way."""
+
+    def plan(self, shared: SharedIndex) -> LoadPlan:
+        """This rank's plan against ``shared`` (which files it lacks, the agreed quantization);
+        what stands in the way is in its ``problems``, and an exception is a problem too."""
+
+
+def _planned(planner: Planner, shared: SharedIndex) -> tuple[LoadPlan | None, list[Problem]]:
+    """``planner``'s plan of ``shared``, and its problems (an exception, or the plan's own)."""
+    plan, problems = problems_of("planning", lambda: planner.plan(shared))
     return plan, (problems if plan is None else [Problem(PlanError, p) for p in plan.problems])
 
 
@@ -62,7 +70,7 @@ def _agree_on_plans(plan: LoadPlan | None, problems: list[Problem], troubled: bo
 
 
 def open_agreed(path: str, revision: str | None, verify: Verify, arguments: Arguments,
-                plan_load) -> tuple[str, SharedIndex, LoadPlan]:
+                planner: Planner) -> tuple[str, SharedIndex, LoadPlan]:
     """Index the checkpoint and plan the load on every rank; raise on all if any rank cannot.
 
     Usually every rank sees the same whole checkpoint: each plans against its own view, and one
@@ -72,12 +80,11 @@ def open_agreed(path: str, revision: str | None, verify: Verify, arguments: Argu
     collectives (``LoadPlan.collectives``). ``verify="full"`` digests every file after it and
     settles again. Otherwise (node-local shards, copies that differ, a Hub repo id, a bad header)
     the ranks exchange their views, and then plan and agree on the plans.
-    ``plan_load(index, remote_files, quantization)`` plans one rank's load. The returned index's
-    files stay open; the caller closes them.
+    ``planner`` plans one rank's load. The returned index's files stay open; the caller closes them.
     """
     view = local_view(path, verify) if arguments.invalid is None else LocalView(path, None)
     try:
-        plan, problems = _planned(plan_load, view.shared()) if view.whole else (None, [])
+        plan, problems = _planned(planner, view.shared()) if view.whole else (None, [])
         same, troubled, differing = _settled(view, arguments, plan, problems)
         if verify == Verify.FULL:  # on every rank, as settled
             verify_fully(view)
@@ -98,7 +105,7 @@ def open_agreed(path: str, revision: str | None, verify: Verify, arguments: Argu
             view.forget_sampled()
         else:
             refuse_revision(path, revision)
-        plan, problems = _planned(plan_load, shared)
+        plan, problems = _planned(planner, shared)
         collectives = digest(plan.collectives if plan else None)
         troubled, high, negated_low = reduce_max([len(problems), collectives, -collectives])
         _agree_on_plans(plan, problems, bool(troubled), not same_everywhere(high, negated_low), arguments,

@@ -158,6 +158,38 @@ def _plan(tensors: list[tuple[TensorEntry, str]], max_shard_size: int | str) -> 
     return save_plan.SavePlan([], save_plan.layout(out, save_plan.parse_size(max_shard_size)), SINGLE_FILE, [])
 
 
+@dataclass(frozen=True)
+class _ConvertSink:
+    """``convert``'s sink: each rank's equal share of the output's bytes (rank 0 all of them where
+    the ranks do not share the folder), read from the DeepSpeed checkpoint's files; the config
+    beside its tag folder copied."""
+
+    read: _Source
+    max_shard_size: int | str
+    staging_bytes: int
+    progress: bool | None
+
+    def plan(self) -> save_plan.SavePlan:
+        return _plan(self.read.tensors, self.max_shard_size)
+
+    def write(self, plan: save_plan.SavePlan, staging: str, shared: bool, failed: str) -> tuple[int, list[str]]:
+        rank, world = rank_and_world()
+        writers = world if shared else 1
+        items = byte_share(plan.files, rank, writers) if rank < writers else []
+        entries = [entry for entry, _ in self.read.tensors]
+        with progress_for(sum(i.numel * entries[i.target].itemsize for i in items), rank=rank,
+                          enabled=self.progress) as bar:
+            written, problems = problems_of("writing", lambda: writer.write_from_files(
+                items, entries, self.read.view.index.opened, staging, self.staging_bytes, bar))
+        agree(problems, failed)
+        return written, []
+
+    def write_configs(self, plan: save_plan.SavePlan, folder: str) -> None:
+        if self.read.config is not None:
+            with writing(os.path.join(folder, CONFIG)), open(os.path.join(folder, CONFIG), "wb") as copy:
+                copy.write(self.read.config)
+
+
 @collector_paused()
 def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: str = "master",
             max_shard_size: int | str = "5GB", progress: bool | None = None,
@@ -179,33 +211,15 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: s
     ``progress``: a bar on rank 0 (None: only on a terminal).
     """
     started = time.perf_counter()
-    rank, world = rank_and_world()
     source, final = os.fspath(checkpoint), os.path.abspath(os.fspath(out))
+    rank = rank_and_world()[0]
     with stage(f"reading {source}", "Nothing was written."):
         read = _read_agreed(source, weights, with_config=rank == 0)  # rank 0 publishes the configs
-    entries = [entry for entry, _ in read.tensors]
-
-    def write(plan, staging: str, shared: bool, failed: str) -> int:
-        writers = world if shared else 1
-        items = byte_share(plan.files, rank, writers) if rank < writers else []
-        with progress_for(sum(i.numel * entries[i.target].itemsize for i in items), rank=rank,
-                          enabled=progress) as bar:
-            written, problems = problems_of("writing", lambda: writer.write_from_files(
-                items, entries, read.view.index.opened, staging, staging_bytes, bar))
-        agree(problems, failed)
-        return written
-
-    def write_config(plan, folder: str) -> None:
-        if read.config is not None:
-            with writing(os.path.join(folder, CONFIG)), open(os.path.join(folder, CONFIG), "wb") as copy:
-                copy.write(read.config)
-
+    sink = _ConvertSink(read, max_shard_size, staging_bytes, progress)
     try:
-        plan, written, notes = write_checkpoint(final, lambda: _plan(read.tensors, max_shard_size), write,
-                                                write_config, None)
+        report, notes = write_checkpoint(final, sink, None, started)
     finally:
         read.view.close()
     for note in read.notes + notes:  # point at the caller's convert() line
         warnings.warn(note, ZloadWarning, stacklevel=3)
-    return SaveReport(final, [f.name for f in plan.files], sum(f.size for f in plan.files), written, [],
-                      time.perf_counter() - started)
+    return report
