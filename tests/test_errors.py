@@ -137,6 +137,21 @@ def test_a_plan_error_is_a_value_error(tmp_path):
     assert isinstance(info.value, zload.PlanError) and info.value.ranks == (0,)
 
 
+def test_zload_raises_a_subclass_that_says_which_stage_refused():
+    """No ``raise ZloadError(...)`` in zload: the base class is for catching, and for the problems
+    of bugs (``problems_of``), and for a rank reporting that another failed."""
+    import ast
+    from pathlib import Path
+
+    bare = []
+    for path in sorted(Path(zload.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
+                    getattr(node.exc.func, "id", None) == "ZloadError":
+                bare.append(f"{path.name}:{node.lineno}")
+    assert not bare, bare
+
+
 # ------------------------------------------------------------------------------------------------
 # raise_for: which problem's class and fields the agreed error has
 
@@ -231,7 +246,7 @@ def test_a_problem_only_rank_0_meets_while_saving_names_the_path_on_every_rank(t
     target = tmp_path / "out"
     target.write_bytes(b"someone's file")
     results = run_world(2, _save_into_a_file, str(target), timeout=120)
-    assert results == [("ZloadError", str(target), None, (0,))] * 2
+    assert results == [("ArgumentValueError", str(target), None, (0,))] * 2
 
 
 def _from_pretrained_with_own_config(folder, configs):

@@ -155,7 +155,7 @@ def test_a_path_that_is_no_folder_is_refused_untouched(tmp_path, kind):
     results = run_world(2, _save_into, str(tmp_path), "out", str(tmp_path / "in.safetensors"))
     assert len(set(results)) == 1 and results[0] is not None, results
     kind_, message = results[0]
-    assert kind_ == "ZloadError" and "nothing was written" in message
+    assert kind_ == "ArgumentValueError" and "nothing was written" in message
     assert {"file": "is a file", "link_to_file": "is a file", "fifo": "not a folder",
             "dangling_link": "does not exist"}[kind] in message
     assert sorted(p.name for p in tmp_path.iterdir()) == before

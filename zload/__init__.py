@@ -15,6 +15,7 @@ from .errors import (
     InvalidCheckpointError,
     PeerLostError,
     PlanError,
+    UnsupportedModelError,
     WriteError,
     ZloadError,
     ZloadWarning,
@@ -35,4 +36,4 @@ logging.getLogger("zload").addHandler(logging.NullHandler())
 __all__ = ["load_into", "save", "convert", "init", "from_pretrained", "open_checkpoint", "CheckpointIndex", "KeyMap",
            "LoadReport", "SaveReport", "ZloadError", "CheckpointError", "CheckpointNotFoundError",
            "InvalidCheckpointError", "PlanError", "ArgumentValueError", "ArgumentTypeError", "PeerLostError",
-           "WriteError", "ZloadWarning", "__version__"]
+           "WriteError", "UnsupportedModelError", "ZloadWarning", "__version__"]

@@ -283,10 +283,11 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     with shared.index:
         moved = _execute(plan, shared, engine, module, source, staging_bytes, progress)
 
-    report = LoadReport(source, rank, world, plan.loaded, plan.missing, plan.unexpected,
-                        plan.conversions, plan.orphans, [plan.targets[i].name for i in plan.slow],
-                        moved.read, moved.sent, moved.received, plan.checkpoint_bytes,
-                        time.perf_counter() - started)
+    report = LoadReport(source=source, rank=rank, world_size=world, loaded=plan.loaded, missing=plan.missing,
+                        unexpected=plan.unexpected, conversions=plan.conversions, repaired_orphans=plan.orphans,
+                        slow_path=[plan.targets[i].name for i in plan.slow], bytes_read=moved.read,
+                        bytes_sent=moved.sent, bytes_received=moved.received,
+                        checkpoint_bytes=plan.checkpoint_bytes, seconds=time.perf_counter() - started)
     _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
     logger.info("%s", report)
     return report

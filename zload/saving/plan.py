@@ -17,7 +17,7 @@ import torch
 from ..checkpoint.digest import DIGEST_KEY, DIGEST_PLACEHOLDER
 from ..checkpoint.dtypes import CODES
 from ..checkpoint.index import SINGLE_FILE, CheckpointIndex, TensorEntry
-from ..errors import ArgumentValueError, ZloadError
+from ..errors import ArgumentValueError, PlanError, UnsupportedModelError
 from ..integrations.peft import Role, peft_info, peft_role
 from ..integrations.transformers import revert_conversion, transformers_model
 from ..loading.plan import element_steps
@@ -124,8 +124,8 @@ def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[
     matching = match(CheckpointIndex("", ("",), fake), targets, module)
     lost = [targets[i].name for i in wanted if i not in matching.sources]
     if lost or matching.unexpected:
-        raise ZloadError(f"transformers' reversed conversion mapping does not round-trip for "
-                         f"{lost or matching.unexpected}; cannot name them as transformers would")
+        raise UnsupportedModelError(f"transformers' reversed conversion mapping does not round-trip for "
+                                    f"{lost or matching.unexpected}; cannot name them as transformers would")
     out: dict[int, list] = {}
     for i, source in matching.sources.items():
         if source.convert is not None:
@@ -226,13 +226,13 @@ class SavePlan:
 
 def make_save_plan(module, targets: list[Target], dtype: torch.dtype | None, max_shard_size: int | str,
                    rank: int, world: int) -> SavePlan:
-    """The save plan of ``module``'s ``targets``; raises ``ZloadError`` naming every tensor that
+    """The save plan of ``module``'s ``targets``; raises a ``PlanError`` naming every tensor that
     cannot be saved as it is."""
     problems = [f"'{t.name}': {t.problem}" for t in targets if t.problem and t.kind != PARTITION]
     problems += [f"'{t.name}': a [0]-shaped parameter re-created after zero.Init; load it "
                  "(zload.load_into repairs it) before saving" for t in targets if t.kind == ORPHAN]
     if problems:
-        raise ZloadError("; ".join(problems))
+        raise PlanError("; ".join(problems))
     tensors, single = out_tensors(module, targets, dtype)
     # peft reads one adapter file only, so an adapter is never sharded
     limit = parse_size(max_shard_size) if single != ADAPTER_FILE else float("inf")

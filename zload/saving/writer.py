@@ -32,7 +32,7 @@ from ..distributed import (
     rank_and_world,
     reader_count,
 )
-from ..errors import WriteError, ZloadError
+from ..errors import UnsupportedModelError, WriteError, ZloadError
 from ..integrations.peft import peft_info
 from ..integrations.transformers import revert_conversion
 from ..loading.execute import byte_view, execute
@@ -264,8 +264,8 @@ def write_converted(module, targets: list[Target], files: list[OutFile], folder:
                 except ZloadError as e:
                     problems.append(Problem.of(e))
                 except Exception as e:
-                    problems.append(Problem(ZloadError, f"converting {[targets[i].name for i in group]} "
-                                                        f"for saving failed: {type(e).__name__}: {e}"))
+                    problems.append(Problem(UnsupportedModelError, f"converting {[targets[i].name for i in group]} "
+                                                                   f"for saving failed: {type(e).__name__}: {e}"))
         agree(problems, failed)
         gathered += [targets[i].name for i in group]
     return written, gathered
