@@ -17,7 +17,15 @@ import zload
 from tests import models
 from tests.checkpoints import save_sharded
 from tests.harness import run_world
-from tests.zero3 import assert_unchanged, build_zero, load_recording_warnings, refused_load, snapshot
+from tests.zero3 import (
+    assert_unchanged,
+    build_zero,
+    check_against,
+    load_expected,
+    load_recording_warnings,
+    refused_load,
+    snapshot,
+)
 
 
 def load_on_nodes(path, node_dirs=None, **load_kwargs):
@@ -253,6 +261,21 @@ def test_ranks_passing_different_arguments_all_raise(tmp_path, world, argument):
     assert kind == "ArgumentValueError", message
     assert "the ranks passed load_into different arguments" in message and says in message, message
     assert "every rank must call load_into with the same arguments and the same model" in message
+
+
+def _load_verifying_fully_as_member_or_string(path):
+    """Rank 0 passes verify as the enum member, the others as its string: the same argument."""
+    from zload.checkpoint.views import Verify
+
+    model = build_zero(models.Awkward)
+    zload.load_into(model, path, verify=Verify.FULL if dist.get_rank() == 0 else "full")
+    return check_against(model, load_expected(path))
+
+
+def test_a_mode_passed_as_its_member_or_its_string_is_the_same_argument(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file(models.state_with_seed(models.Awkward, seed=17), str(path))
+    assert len(set(run_world(2, _load_verifying_fully_as_member_or_string, path, timeout=60))) == 1
 
 
 def _load_passing_a_list_on_rank_1(path):

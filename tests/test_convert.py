@@ -163,7 +163,8 @@ def test_processes_write_the_same_bytes_as_one(zero3_w2, tmp_path, world):
 
 def test_byte_shares_cover_every_element_once():
     """Each element goes to exactly one rank, and the ranks' shares differ by an element at most."""
-    shapes = [("float32", (7, 3)), ("bfloat16", (5,)), ("int64", ()), ("float32", (0, 4)), ("bfloat16", (13,))]
+    shapes = [(torch.float32, (7, 3)), (torch.bfloat16, (5,)), (torch.int64, ()), (torch.float32, (0, 4)),
+              (torch.bfloat16, (13,))]
     tensors = [OutTensor(f"t{i}", dtype, shape, ((i, 0, 0, 0),)) for i, (dtype, shape) in enumerate(shapes)]
     files = layout(tensors, 40)
     everything = sorted((i, k) for i, (_, shape) in enumerate(shapes) for k in range(torch.Size(shape).numel()))

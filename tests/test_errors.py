@@ -111,11 +111,45 @@ def test_bad_arguments_are_value_and_type_errors(tmp_path):
     assert isinstance(info.value, zload.ArgumentTypeError) and info.value.ranks == (0,)
 
 
+def test_a_mode_is_its_string_and_a_wrong_one_names_the_values_allowed(tmp_path, monkeypatch):
+    """Modes are str enums: users pass strings, members equal and print as them; a string that is
+    no mode is an ArgumentValueError listing the modes (an environment variable's too)."""
+    from zload.checkpoint.views import Verify
+    from zload.kernels import backend
+    from zload.model.targets import Kind
+
+    assert Verify.of("full", "verify") is Verify.FULL and Verify.of(Verify.FULL, "verify") is Verify.FULL
+    assert Verify.FULL == "full" and f"{Verify.FULL}" == "full" and Kind.PARTITION == "partition"
+    with pytest.raises(zload.ArgumentValueError, match=r"^verify=\['full'\]: expected one of 'sample', 'full'$"):
+        Verify.of(["full"], "verify")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(zload.ArgumentValueError, match="weights='fp16': expected one of 'master', 'module'"):
+        zload.convert(tmp_path / "plain", tmp_path / "out", weights="fp16")
+    monkeypatch.setenv("ZLOAD_KERNEL", "cuda")
+    with pytest.raises(zload.ArgumentValueError, match="ZLOAD_KERNEL='cuda': expected one of 'auto', 'torch', 'trit"):
+        backend()
+
+
 def test_a_plan_error_is_a_value_error(tmp_path):
     save_file({"weight": torch.ones(3, 3), "bias": torch.ones(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError) as info:
         zload.load_into(torch.nn.Linear(2, 2), tmp_path)
     assert isinstance(info.value, zload.PlanError) and info.value.ranks == (0,)
+
+
+def test_zload_raises_a_subclass_that_says_which_stage_refused():
+    """No ``raise ZloadError(...)`` in zload: the base class is for catching, and for the problems
+    of bugs (``problems_of``), and for a rank reporting that another failed."""
+    import ast
+    from pathlib import Path
+
+    bare = []
+    for path in sorted(Path(zload.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
+                    getattr(node.exc.func, "id", None) == "ZloadError":
+                bare.append(f"{path.name}:{node.lineno}")
+    assert not bare, bare
 
 
 # ------------------------------------------------------------------------------------------------
@@ -212,7 +246,7 @@ def test_a_problem_only_rank_0_meets_while_saving_names_the_path_on_every_rank(t
     target = tmp_path / "out"
     target.write_bytes(b"someone's file")
     results = run_world(2, _save_into_a_file, str(target), timeout=120)
-    assert results == [("ZloadError", str(target), None, (0,))] * 2
+    assert results == [("ArgumentValueError", str(target), None, (0,))] * 2
 
 
 def _from_pretrained_with_own_config(folder, configs):

@@ -18,7 +18,7 @@ import zload.loading.execute as execute_module
 from zload import CheckpointError, open_checkpoint
 from zload.loading.execute import DEFAULT_STAGING_BYTES, execute
 from zload.checkpoint.files import FileTable, open_regular
-from zload.checkpoint.index import DTYPES
+from zload.checkpoint.dtypes import TORCH_DTYPES
 from zload.kernels import Segment, scatter_cast
 from zload.loading.plan import ReadItem, StagingLayout
 
@@ -102,7 +102,7 @@ def checkpoint(tmp_path_factory):
 
 def item_for(entry, target: int, first: int, count: int, dst_offset: int) -> ReadItem:
     size = entry.itemsize
-    return ReadItem(entry.file, entry.start + first * size, count * size, DTYPES[entry.dtype][0],
+    return ReadItem(entry.file, entry.start + first * size, count * size, TORCH_DTYPES[entry.dtype],
                     target, dst_offset, count)
 
 
@@ -180,7 +180,7 @@ def test_mixed_dtypes_match_torch_cast(checkpoint, monkeypatch, staging, seed):
     assert got == sum(i.nbytes for i in items)
     for actual, want, loose in zip(destinations, expected, any_nan):
         assert_bits_equal(actual, want, loose)
-    staged = [i for i in items if getattr(torch, i.src_dtype) != destinations[i.target].dtype]
+    staged = [i for i in items if i.src_dtype != destinations[i.target].dtype]
     assert spy.segments >= len(staged) > 0
     if staging <= 100:
         assert spy.calls > len(staged)  # tiny buffer: items are split across many flushes
@@ -420,7 +420,7 @@ def test_staging_layout_packs_aligned_parts_that_cover_each_item(capacity):
     rng = random.Random(capacity)
     items = [ReadItem("f", rng.randrange(10_000), n * size, dtype, k, rng.randrange(100), n)
              for k, (n, size, dtype) in enumerate(
-                 (rng.randrange(1, 300), *rng.choice([(2, "bfloat16"), (4, "float32"), (8, "int64")]))
+                 (rng.randrange(1, 300), *rng.choice([(2, torch.bfloat16), (4, torch.float32), (8, torch.int64)]))
                  for _ in range(40))]
     layout = StagingLayout(capacity)
     batches, end = [], 0
@@ -456,7 +456,7 @@ def test_plans_name_files_by_key_so_any_copy_of_the_checkpoint_serves_them(tmp_p
         save_sharded(state, tmp_path / node, shards=2)
     planned_on, read_from = open_checkpoint(tmp_path / "node0"), open_checkpoint(tmp_path / "node1")
     outs = [torch.zeros(1000), torch.zeros(30)]
-    targets = [Target((name,), FULL, (len(out),), "float32", True, tensor=out)
+    targets = [Target((name,), FULL, (len(out),), torch.float32, True, tensor=out)
                for name, out in zip(state, outs)]
     items = make_plan(planned_on, targets).items
     assert {i.file for i in items} == set(planned_on.files) == {"model-00001-of-00002.safetensors",

@@ -36,7 +36,7 @@ def _index(*entries) -> CheckpointIndex:
     return CheckpointIndex("f.safetensors", ("f.safetensors",), tensors)
 
 
-def _target(name, shape, world, rank, dtype="bfloat16"):
+def _target(name, shape, world, rank, dtype=torch.bfloat16):
     numel = torch.Size(shape).numel()
     if world is None:
         return Target((name,), FULL, shape, dtype, True)
@@ -90,7 +90,7 @@ def test_split_pieces_keep_their_elements_and_scale_rows():
 
 def test_per_tensor_scale_and_stacked_weights():
     per_tensor = _index(("a", "F8_E5M2", (4, 6), 1), ("a_scale", "BF16", (), 2))
-    plan = _plan(per_tensor, [_target("a", (4, 6), 3, 2, "float32")], Quantization("fp8"))
+    plan = _plan(per_tensor, [_target("a", (4, 6), 3, 2, torch.float32)], Quantization("fp8"))
     (item,) = plan.items
     assert plan.problems == [] and item.scale_rows == (0, 1) and item.scale_span[1:] == (124, 2)
     # (2, 13, 11) experts in blocks of 5 x 7: scales (2, 3, 2); expert 1 starts at block row 3
@@ -217,11 +217,10 @@ def test_partitioned_reads_dequantise_bit_exact(tmp_path, fp8_dtype, dst_dtype, 
     inside block rows), equals the reference dequantisation cast to the destination dtype."""
     reference = _fp8_file(tmp_path, fp8_dtype, block)
     quantization = Quantization("fp8", block)
-    name = str(dst_dtype).removeprefix("torch.")
     with open_checkpoint(str(tmp_path / "model.safetensors")) as index:
         for world in (1, 2, 3, 4):
             for rank in range(world):
-                targets = [_target(n, tuple(r.shape), world, rank, name) for n, r in reference.items()]
+                targets = [_target(n, tuple(r.shape), world, rank, dst_dtype) for n, r in reference.items()]
                 plan = _plan(index, targets, quantization)
                 assert plan.problems == [] and plan.unexpected == []
                 dests = [torch.full((t.partition.size,), 7.0, dtype=dst_dtype) for t in targets]
@@ -239,7 +238,7 @@ def test_staging_too_small_for_one_element_and_its_scales_is_a_problem(tmp_path)
 
     reference = _fp8_file(tmp_path, torch.float8_e4m3fn, (5, 7))  # 'w' has 5 scales a row, 'e' 2
     with open_checkpoint(str(tmp_path / "model.safetensors")) as index:
-        targets = [_target(n, tuple(r.shape), 2, 1, "float32") for n, r in reference.items()]
+        targets = [_target(n, tuple(r.shape), 2, 1, torch.float32) for n, r in reference.items()]
         plan = _plan(index, targets, Quantization("fp8", (5, 7)))
         (problem,) = staging_problems(plan, 64)
         assert problem == ("staging_bytes=64 is too small for the FP8 weights 'e', 'w': one element with its "
@@ -263,7 +262,7 @@ def test_a_block_larger_than_the_weight_scales_like_one_of_its_size(tmp_path):
     reference = dequantize(weight, scale, (1, 29)).reshape(-1)
     with open_checkpoint(str(tmp_path / "model.safetensors")) as index:
         for rank in range(3):
-            target = _target("w", (37, 29), 3, rank, "float32")
+            target = _target("w", (37, 29), 3, rank, torch.float32)
             plan = _plan(index, [target], Quantization("fp8", (1, 2**62)))
             assert plan.problems == []
             dest = torch.full((target.partition.size,), 7.0)

@@ -92,7 +92,7 @@ def test_two_checkpoint_tensors_for_one_model_tensor_is_a_problem():
     """`w` gets the prefix `x.` and so collides with the checkpoint's own `x.w`."""
     entries = {n: TensorEntry(n, "f", "F32", (2,), 8 * i, 8) for i, n in enumerate(["w", "x.w"])}
     index = CheckpointIndex("f", ("f",), entries)
-    matching = match(index, [Target(("x.w",), FULL, (2,), "float32", True)])
+    matching = match(index, [Target(("x.w",), FULL, (2,), torch.float32, True)])
     assert matching.problems == ["model tensor 'x.w' is fed by both ['w'] and ['x.w']"]
 
 

@@ -198,6 +198,42 @@ def test_conversion_slow_path_reads_on_the_node_with_the_files(tmp_path):
         assert len(slow_path) == 2
 
 
+def _stages_of_a_transposed_load(node_dirs, reference_folder):
+    """``_load_transposed_on_node``, recording the stages the load goes through."""
+    load = sys.modules["zload.loading.load_into"]
+    real, entered = load.stage, []
+
+    def recording(what, leaves):
+        entered.append(what)
+        return real(what, leaves)
+
+    load.stage = recording
+    try:
+        _load_transposed_on_node(node_dirs, reference_folder)
+    finally:
+        load.stage = real
+    return entered
+
+
+def test_each_byte_source_is_delivered_in_a_stage_of_its_own_in_one_order(tmp_path):
+    """This rank's files, then the ranges of the files some rank lacks, then the slow path's
+    conversions: each in its own stage (which a peer lost meanwhile names), then the finishing
+    touches and the engine's update, in the same order on every rank."""
+    pytest.importorskip("transformers")
+    from tests.test_load_converted import MODELS
+
+    cls, make_config = MODELS["transposed_llama"]
+    torch.manual_seed(35)
+    cls(make_config()).save_pretrained(tmp_path / "node0" / "ckpt", max_shard_size="30KB")
+    (tmp_path / "node1").mkdir()
+    stages = run_world(2, _stages_of_a_transposed_load, [tmp_path / "node0", tmp_path / "node1"],
+                       tmp_path / "node0" / "ckpt")
+    assert stages == [["indexing and planning the load of ckpt", "reading ckpt",
+                       "sending and receiving the parts of ckpt some ranks lack",
+                       "converting the tensors of ckpt that one rank builds", "finishing the tensors of ckpt",
+                       "updating the engine after the load"]] * 2
+
+
 def test_shards_with_one_name_in_two_subfolders(tmp_path):
     """Files are named to other ranks by their path in the checkpoint folder, not their base name:
     a/x.safetensors and b/x.safetensors are two files."""

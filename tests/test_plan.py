@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from zload.checkpoint.index import CheckpointIndex, TensorEntry
 from zload.loading.plan import collectives_differing, make_plan
@@ -41,7 +42,7 @@ def _index(*entries):
     return CheckpointIndex("f.safetensors", ("f.safetensors",), tensors)
 
 
-def _partition(name, shape, world, rank, dtype="float32"):
+def _partition(name, shape, world, rank, dtype=torch.float32):
     numel = 1
     for d in shape:
         numel *= d
@@ -51,10 +52,10 @@ def _partition(name, shape, world, rank, dtype="float32"):
 def test_partition_reads_exactly_the_ranks_byte_range():
     index = _index(("a", "F32", (2, 5), 4), ("w", "BF16", (7,), 2))
     for rank, (first, count) in enumerate([(0, 3), (3, 3), (6, 1)]):
-        plan = make_plan(index, [_partition("w", (7,), 3, rank, "bfloat16")])
+        plan = make_plan(index, [_partition("w", (7,), 3, rank, torch.bfloat16)])
         (item,) = plan.items
         assert (item.offset, item.nbytes, item.numel) == (140 + 2 * first, 2 * count, count)
-        assert item.src_dtype == "bfloat16" and item.dst_offset == 0
+        assert item.src_dtype is torch.bfloat16 and item.dst_offset == 0
         assert plan.unexpected == ["a"] and plan.problems == [] and plan.conversions == {}
 
 
@@ -65,8 +66,8 @@ def test_rank_with_only_padding_reads_nothing_but_is_loaded():
 
 def test_full_targets_read_whole_tensor_and_record_conversions():
     index = _index(("x", "F16", (3, 3), 2), ("steps", "I64", (4,), 8))
-    targets = [Target(("x",), FULL, (3, 3), "float32", True),
-               Target(("steps",), FULL, (4,), "int64", True)]
+    targets = [Target(("x",), FULL, (3, 3), torch.float32, True),
+               Target(("steps",), FULL, (4,), torch.int64, True)]
     plan = make_plan(index, targets)
     assert [(i.offset, i.nbytes) for i in plan.items] == [(100, 18), (118, 32)]
     assert plan.conversions == {"F16->float32": ["x"]}
@@ -75,7 +76,7 @@ def test_full_targets_read_whole_tensor_and_record_conversions():
 def test_tied_alias_is_satisfied_by_either_name_and_read_once():
     index = _index(("head.weight", "F32", (4, 2), 4))
     tied = _partition("embed.weight", (4, 2), 2, 1)
-    tied = Target(("embed.weight", "head.weight"), PARTITION, tied.shape, "float32", True, tied.partition)
+    tied = Target(("embed.weight", "head.weight"), PARTITION, tied.shape, torch.float32, True, tied.partition)
     plan = make_plan(index, [tied])
     assert plan.loaded == ["embed.weight"] and plan.unexpected == [] and plan.missing == []
     (item,) = plan.items
@@ -84,7 +85,7 @@ def test_tied_alias_is_satisfied_by_either_name_and_read_once():
 
 def test_orphan_takes_its_shape_from_the_checkpoint():
     index = _index(("ls.scale_factor", "F32", (6,), 4))
-    plan = make_plan(index, [Target(("ls.scale_factor",), ORPHAN, (), "bfloat16", True)])
+    plan = make_plan(index, [Target(("ls.scale_factor",), ORPHAN, (), torch.bfloat16, True)])
     assert plan.orphans == ["ls.scale_factor"] and plan.items[0].numel == 6
 
 
@@ -93,7 +94,7 @@ def test_the_collectives_a_plan_makes_and_how_ranks_differ_in_them():
     slow-path conversions makes none after the reads. What differs is said rank by rank."""
     index = _index(("a", "F32", (2,), 4), ("ls.scale_factor", "F32", (6,), 4))
     assert make_plan(index, [_partition("a", (2,), 1, 0)], strict=False).collectives == []
-    orphan = make_plan(index, [Target(("ls.scale_factor",), ORPHAN, (), "bfloat16", True)], strict=False)
+    orphan = make_plan(index, [Target(("ls.scale_factor",), ORPHAN, (), torch.bfloat16, True)], strict=False)
     (described,) = orphan.collectives
     assert described == "the orphan 'ls.scale_factor' (bfloat16 [6])"
     other = "the orphan 'x' (float32 [1])"
@@ -109,7 +110,7 @@ def test_the_collectives_a_plan_makes_and_how_ranks_differ_in_them():
 def test_missing_is_a_problem_only_when_strict_and_required():
     index = _index(("a", "F32", (2,), 4))
     targets = [_partition("a", (2,), 1, 0), _partition("b", (2,), 1, 0),
-               Target(("buf",), FULL, (1,), "float32", False)]
+               Target(("buf",), FULL, (1,), torch.float32, False)]
     strict = make_plan(index, targets)
     assert strict.missing == ["b"] and "b" in strict.problems[0] and "strict=True" in strict.problems[0]
     assert make_plan(index, targets, strict=False).problems == []
@@ -128,6 +129,6 @@ def test_mismatches_are_problems_naming_file_and_tensor(entry, target, expected)
 
 
 def test_target_problem_is_reported_even_when_shapes_match():
-    target = Target(("w",), FULL, (2,), "float32", True, problem="is on the meta device")
+    target = Target(("w",), FULL, (2,), torch.float32, True, problem="is on the meta device")
     (problem,) = make_plan(_index(("w", "F32", (2,), 4)), [target]).problems
     assert "meta device" in problem

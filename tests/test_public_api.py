@@ -16,6 +16,18 @@ def test_exports_are_what_users_receive_or_pass():
     assert set(zload.__all__) >= {"load_into", "save", "init", "open_checkpoint", "CheckpointIndex", "KeyMap"}
 
 
+def test_reports_are_built_by_name():
+    """Fourteen fields in a row are too easy to shift by one: a report takes keywords only."""
+    import pytest
+
+    report = zload.LoadReport(source="x", rank=1, world_size=2, bytes_read=3)
+    assert (report.rank, report.world_size, report.bytes_read, report.bytes_sent) == (1, 2, 3, 0)
+    with pytest.raises(TypeError):
+        zload.LoadReport("x", 1, 2)
+    with pytest.raises(TypeError):
+        zload.SaveReport("x", [], 0, 0, [], 0.0)
+
+
 def test_no_function_hides_its_module():
     for name in zload.__all__:
         try:

@@ -155,7 +155,7 @@ def test_a_path_that_is_no_folder_is_refused_untouched(tmp_path, kind):
     results = run_world(2, _save_into, str(tmp_path), "out", str(tmp_path / "in.safetensors"))
     assert len(set(results)) == 1 and results[0] is not None, results
     kind_, message = results[0]
-    assert kind_ == "ZloadError" and "nothing was written" in message
+    assert kind_ == "ArgumentValueError" and "nothing was written" in message
     assert {"file": "is a file", "link_to_file": "is a file", "fifo": "not a folder",
             "dangling_link": "does not exist"}[kind] in message
     assert sorted(p.name for p in tmp_path.iterdir()) == before
@@ -192,6 +192,26 @@ def test_buffer_bytes_is_the_old_name_of_staging_bytes(tmp_path):
     """load_into and save name their I/O buffer the same; save's old name still works, with a warning."""
     assert run_world(2, _saved_under_the_old_name, str(tmp_path / "out"))[0]
 
+
+
+def _save_in_dtype(out, dtype):
+    """A ZeRO-3 Linear saved with ``dtype``: the dtypes written, or the error's (class, message)."""
+    model = build_zero(lambda: torch.nn.Linear(4, 3))
+    try:
+        zload.save(model, out, dtype=dtype)
+    except zload.ZloadError as e:
+        return type(e).__name__, str(e)
+    return sorted(str(t.dtype) for t in load_file(f"{out}/model.safetensors").values())
+
+
+def test_dtype_is_a_torch_dtype_or_its_name(tmp_path):
+    """``dtype`` is resolved once, where it enters: torch.bfloat16 and "bfloat16" save the same;
+    a name of no dtype is an ArgumentValueError on every rank (it was an unexpected error)."""
+    for dtype in (torch.bfloat16, "bfloat16", "torch.bfloat16"):
+        assert run_world(2, _save_in_dtype, str(tmp_path / "out"), dtype) == [["torch.bfloat16"] * 2] * 2
+    (kind, message), again = run_world(2, _save_in_dtype, str(tmp_path / "out"), "bfloat17")
+    assert again == (kind, message) and kind == "ArgumentValueError", message
+    assert "dtype='bfloat17': expected a torch.dtype, such as torch.bfloat16" in message
 
 
 def _save_linear(out):

@@ -15,7 +15,7 @@ from safetensors.torch import load
 
 from zload.loading.plan import staging_batches
 from zload.saving.plan import OutTensor, layout, make_save_plan
-from zload.model.targets import FULL, PARTITION, Target, dtype_name
+from zload.model.targets import FULL, PARTITION, Target
 from zload.checkpoint.partition import Partition
 
 SHAPES = {"embed.weight": ((7, 5), torch.bfloat16), "norm.weight": ((5,), torch.float32),
@@ -34,10 +34,10 @@ def _targets(rank: int, world: int) -> tuple[list[Target], dict[int, torch.Tenso
             part = Partition(flat.numel(), world, rank)
             padded = torch.zeros(part.size, dtype=tensor.dtype)
             padded[:part.valid] = flat[part.start:part.start + part.valid]
-            targets.append(Target((name,), PARTITION, tuple(tensor.shape), dtype_name(tensor.dtype), True, part))
+            targets.append(Target((name,), PARTITION, tuple(tensor.shape), tensor.dtype, True, part))
             sources[len(targets) - 1] = padded
         else:
-            targets.append(Target((name,), FULL, tuple(tensor.shape), dtype_name(tensor.dtype), True))
+            targets.append(Target((name,), FULL, tuple(tensor.shape), tensor.dtype, True))
             sources[len(targets) - 1] = flat
     return targets, sources
 
@@ -55,7 +55,7 @@ def _saved(world: int, dtype: torch.dtype | None, capacity: int) -> dict[str, by
             assert batch[-1][0] + batch[-1][1].nbytes <= capacity
             for _, item in batch:
                 part = sources[item.target][item.src_offset:item.src_offset + item.numel]
-                data = part.to(getattr(torch, item.dtype)).view(torch.uint8).numpy().tobytes()
+                data = part.to(item.dtype).view(torch.uint8).numpy().tobytes()
                 blobs[item.file][item.offset:item.offset + item.nbytes] = data
                 for k in range(item.offset, item.offset + item.nbytes):
                     written[item.file][k] += 1
@@ -87,5 +87,5 @@ def test_shards_are_the_ones_huggingface_hub_makes(sizes, limit):
     state = {f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
     want = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                               max_shard_size=limit).filename_to_tensors
-    files = layout([OutTensor(name, "uint8", tuple(t.shape), ()) for name, t in state.items()], limit)
+    files = layout([OutTensor(name, torch.uint8, tuple(t.shape), ()) for name, t in state.items()], limit)
     assert {f.name: [t.name for t, _ in f.tensors] for f in files} == want

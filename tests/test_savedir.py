@@ -3,6 +3,7 @@ told from running ones (a lock) and cleaned up after (their manifest)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -45,9 +46,10 @@ def test_a_running_save_is_never_disturbed(tmp_path):
     running = SaveFolder(str(tmp_path), "a" * 16)
     running.begin()
     second = SaveFolder(str(tmp_path), "b" * 16)
-    with pytest.raises(zload.ZloadError, match=f"another zload.save into {tmp_path} is running "
-                                               f"\\(pid {os.getpid()} on "):
+    with pytest.raises(zload.WriteError, match=f"another zload.save into {tmp_path} is running "
+                                               f"\\(pid {os.getpid()} on ") as refused:
         second.begin()
+    assert refused.value.errno == errno.EBUSY and refused.value.path == str(tmp_path)
     second.clean_up_killed_saves()
     assert os.path.isdir(running.staging)  # its lock is held: not touched
     running.abort()

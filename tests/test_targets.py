@@ -45,6 +45,13 @@ def test_targets_name_every_alias_in_module_order_with_buffer_persistence():
     assert {n for t in targets if t.required for n in t.names} == set(model.state_dict(keep_vars=True))
 
 
+def test_targets_carry_their_tensors_torch_dtypes():
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    model.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+    assert [(t.name, t.dtype) for t in collect_targets(model)] == \
+        [("weight", torch.bfloat16), ("bias", torch.bfloat16), ("steps", torch.int64)]
+
+
 def test_targets_follow_the_modules_own_named_parameters():
     """A module may override how it names its members (torch's checkpoint_wrapper strips its
     wrapped module's name; PEFT's LoRA MultiheadAttention re-registers weights in named_modules):

@@ -16,6 +16,7 @@ from .errors import (
     PeerLostError,
     PlanError,
     UnsupportedEnvironmentError,
+    UnsupportedModelError,
     WriteError,
     ZloadError,
     ZloadWarning,
@@ -36,4 +37,4 @@ logging.getLogger("zload").addHandler(logging.NullHandler())
 __all__ = ["load_into", "save", "convert", "init", "from_pretrained", "open_checkpoint", "CheckpointIndex", "KeyMap",
            "LoadReport", "SaveReport", "ZloadError", "CheckpointError", "CheckpointNotFoundError",
            "InvalidCheckpointError", "PlanError", "ArgumentValueError", "ArgumentTypeError", "PeerLostError",
-           "UnsupportedEnvironmentError", "WriteError", "ZloadWarning", "__version__"]
+           "UnsupportedEnvironmentError", "UnsupportedModelError", "WriteError", "ZloadWarning", "__version__"]

@@ -17,6 +17,7 @@ import traceback
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,24 @@ def digest(value) -> int:
 def same_everywhere(high: int, negated_low: int) -> bool:
     """Whether every rank held the same digest, given the maxima over ranks of it and its negation."""
     return high == -negated_low
+
+
+class Choice(str, Enum):
+    """A mode named by a string: its members are strings (``Verify.FULL == "full"``) and print as
+    their values, so users pass plain strings and messages read as they did."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def of(cls, value, argument: str):
+        """``value`` (a member or its string) as a member, or an ``ArgumentValueError`` naming
+        ``argument`` and the values allowed."""
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(member.value) for member in cls)
+            raise errors.ArgumentValueError(f"{argument}={brief(value)}: expected one of {allowed}") from None
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,10 @@ class InvalidCheckpointError(CheckpointError, ValueError):
 
 
 class PlanError(ZloadError, ValueError):
-    """The checkpoint and the model do not fit together (shapes, dtypes, coverage).
+    """The checkpoint and the model do not fit together (shapes, dtypes, coverage), or the model
+    cannot be saved as it is (a tensor on the meta device, an orphan not yet loaded).
 
-    Raised identically on every rank, before a single byte of the model is written.
+    Raised identically on every rank, before a single byte of the model or the folder is written.
     """
 
 
@@ -107,3 +108,11 @@ class WriteError(ZloadError, OSError):
     @property
     def fields(self) -> dict:
         return {**super().fields, "errno": self.errno}
+
+
+class UnsupportedModelError(ZloadError):
+    """The model does something zload cannot follow: it computes a tensor from a parameter's values
+    inside ``zload.init`` (which has none yet), or its transformers conversion mapping gives tensors
+    other than it declares, or cannot be reversed to save it. The message names the tensors and
+    what to do.
+    """

@@ -35,7 +35,7 @@ def shortened(names: list[str], limit: int = 8, sep: str = ", ") -> str:
     return shown + (f"{sep}... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-@dataclass
+@dataclass(kw_only=True)  # fourteen fields: built by name, never by position
 class LoadReport:
     """The outcome of ``load_into`` on one rank.
 
@@ -85,7 +85,7 @@ class LoadReport:
         return "\n".join(lines)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SaveReport:
     """The outcome of ``save`` on one rank."""
 

@@ -370,7 +370,7 @@ def shard_path(folder: str, shard: str) -> str | None:
     return os.path.join(folder, normal)
 
 
-def index_from_weight_map(index_path: str, missing_ok: bool, table: FileTable) -> CheckpointIndex:
+def index_from_weight_map(index_path: str, table: FileTable, missing_ok: bool) -> CheckpointIndex:
     weight_map = read_weight_map(index_path, table)
     folder = os.path.dirname(os.path.abspath(index_path))
     shards = sorted(set(weight_map.values()))

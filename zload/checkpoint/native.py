@@ -50,7 +50,6 @@ _STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"  # an IntEnum: unpic
 _MAX_LATEST_BYTES = 4096
 _MAX_NUMEL = 2**63 - 1  # torch counts a tensor's elements in an int64
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # a zip member's local header, before name and extra
-_CODES = {name: code for code, (name, _) in DTYPES.items()}  # torch dtype name -> safetensors code
 
 
 def native_folder(path: str) -> str | None:
@@ -412,6 +411,8 @@ class _PtFile:
         None for anything else."""
         import torch
 
+        from .dtypes import TORCH_DTYPES
+
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return value
         if not isinstance(value, torch.Tensor):
@@ -419,19 +420,20 @@ class _PtFile:
         stored = self.tensor(value, what)
         if stored.numel != 1:
             return None
-        dtype, size = DTYPES[stored.dtype]
-        raw = bytearray(pread_exactly(self.opened, size, stored.start))
-        return torch.frombuffer(raw, dtype=getattr(torch, dtype)).item()
+        raw = bytearray(pread_exactly(self.opened, DTYPES[stored.dtype][1], stored.start))
+        return torch.frombuffer(raw, dtype=TORCH_DTYPES[stored.dtype]).item()
 
     def tensor(self, value, what: str) -> Stored:
         """Where the tensor ``value`` (a meta tensor from ``state``) lies in the file."""
         import torch
 
+        from .dtypes import CODES
+
         if not isinstance(value, torch.Tensor) or value.device.type != "meta":
             raise self.invalid(f"{what} is {type(value).__name__}, expected a tensor", what)
         # torch's own methods, unbound: the pickle may have set attributes of these names on it
         tensor = torch.Tensor
-        code = _CODES.get(str(value.dtype).removeprefix("torch."))
+        code = CODES.get(value.dtype)
         if code is None:
             raise self.invalid(f"{what} has dtype {value.dtype}, which zload cannot read", what)
         storage = tensor.untyped_storage(value)
@@ -1042,7 +1044,7 @@ def converted_tensors(layout: NativeLayout, entries: dict[str, TensorEntry],
     dtype (ZeRO-3 masters cast to it, which is what the engine's 16-bit weights are). Tied aliases
     are left out: the tensor is written once, under the name stored, as ``save_pretrained`` does.
     """
-    import torch
+    from .dtypes import TORCH_DTYPES
 
     order = [n for n in layout.module_dtypes if n in entries] + [n for n in entries if n not in layout.module_dtypes]
     out = []
@@ -1052,7 +1054,7 @@ def converted_tensors(layout: NativeLayout, entries: dict[str, TensorEntry],
         entry = entries[name]
         if module_weights:
             dtype = layout.module_dtypes.get(name, entry.dtype)
-        elif name in layout.buffers and getattr(torch, DTYPES[entry.dtype][0]).is_floating_point:
+        elif name in layout.buffers and TORCH_DTYPES[entry.dtype].is_floating_point:
             dtype = "F32"  # as zero_to_fp32 restores buffers saved in 16 bits
         else:
             dtype = entry.dtype

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import stat
 import warnings
+from typing import Protocol
 
 from ..distributed import Problem, agree, reduce_max
 from ..errors import (
@@ -57,6 +58,40 @@ def _start_file(path: str) -> str | None:
     return None  # no safetensors: perhaps a DeepSpeed checkpoint
 
 
+class IndexReader(Protocol):
+    """One format of checkpoint: the index of the checkpoint ``path`` starts (``_reader`` says which
+    format a path is in), its files opened into ``table``. With ``missing_ok``, files this machine
+    lacks are recorded in ``absent`` instead of raising (another node may hold them)."""
+
+    def __call__(self, path: str, table: FileTable, missing_ok: bool) -> CheckpointIndex: ...
+
+
+def _single_file(path: str, table: FileTable, missing_ok: bool) -> CheckpointIndex:
+    """A lone ``.safetensors`` file."""
+    root, key = os.path.split(os.path.abspath(path))
+    return CheckpointIndex(path, (key,), parse_header(table.add(open_regular(path), key), key), opened=table,
+                           root=root)
+
+
+def _native(path: str, table: FileTable, missing_ok: bool) -> CheckpointIndex:
+    """A DeepSpeed checkpoint: the folder ``save_checkpoint`` wrote, or one of its tag folders."""
+    folder = native_folder(path)
+    if folder is None:
+        raise CheckpointNotFoundError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}, or a DeepSpeed "
+                                      f"checkpoint ('{LATEST}' or *_model_states.pt); found no safetensors "
+                                      "files and no DeepSpeed checkpoint", path=path)
+    return open_native(path, folder, table)
+
+
+def _reader(path: str) -> tuple[IndexReader, str]:
+    """The reader of the checkpoint at ``path``, and the path it starts from: a safetensors file,
+    an index and its shards (a folder holding either: the file in it), else a DeepSpeed checkpoint."""
+    start = _start_file(path)
+    if start is None:
+        return _native, path
+    return (index_from_weight_map if start.endswith(".json") else _single_file), start
+
+
 def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> CheckpointIndex:
     """Index a checkpoint: a .safetensors file, an index .json, a directory holding either, or a
     DeepSpeed checkpoint (the folder ``save_checkpoint`` wrote, or one of its tag folders).
@@ -67,21 +102,8 @@ def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> Che
     """
     table = FileTable()
     try:
-        path = os.fspath(path)
-        start = _start_file(path)
-        if start is None:
-            folder = native_folder(path)
-            if folder is None:
-                raise CheckpointNotFoundError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}, or a DeepSpeed "
-                                              f"checkpoint ('{LATEST}' or *_model_states.pt); found no safetensors "
-                                              "files and no DeepSpeed checkpoint",
-                                              path=path)
-            return open_native(path, folder, table)
-        if start.endswith(".json"):
-            return index_from_weight_map(start, missing_ok, table)
-        root, key = os.path.split(os.path.abspath(start))
-        return CheckpointIndex(start, (key,), parse_header(table.add(open_regular(start), key), key),
-                               opened=table, root=root)
+        reader, start = _reader(os.fspath(path))
+        return reader(start, table, missing_ok)
     except BaseException:
         table.close()
         raise

@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass, field
 
 from ..distributed import (
+    Choice,
     Problem,
     digest,
     exchange,
@@ -34,6 +35,13 @@ from .index import CheckpointIndex, TensorEntry
 from .open import open_checkpoint
 from .pagecache import forget
 from .quantized import Quantization, agreed_quantization, read_quantization
+
+
+class Verify(Choice):
+    """How the ranks make sure they read the same bytes (``load_into``'s ``verify``)."""
+
+    SAMPLE = "sample"  # the headers, and a sample of each file's data when there are other ranks
+    FULL = "full"  # every byte, digested once per node (``verify_fully``), and a recorded digest checked
 
 
 @dataclass
@@ -118,7 +126,7 @@ class LocalView:
             self.index.close()
 
 
-def local_view(source: str, verify: str = "sample") -> LocalView:
+def local_view(source: str, verify: Verify = Verify.SAMPLE) -> LocalView:
     """Index ``source`` as this rank sees it, and read its quantization config. Shards it lacks are
     noted; bad headers, and any other exception, become ``problems`` (never raised: every rank must
     reach the agreement step).
@@ -137,7 +145,7 @@ def local_view(source: str, verify: str = "sample") -> LocalView:
     return view or LocalView(source, None, problems=problems)
 
 
-def viewed(source: str, index: CheckpointIndex, verify: str = "sample") -> LocalView:
+def viewed(source: str, index: CheckpointIndex, verify: Verify = Verify.SAMPLE) -> LocalView:
     """``index`` as this rank's view of ``source``, with what tells its files from other copies: the
     SHA-256 of each header and, when there is another rank to compare with (``verify="sample"``),
     a sample of the data, except in files whose header records a digest of all of it (a zload
@@ -146,7 +154,7 @@ def viewed(source: str, index: CheckpointIndex, verify: str = "sample") -> Local
     try:
         files = view.opened()
         sampled = [key for key, f in files.items() if DIGEST_KEY not in f.metadata] \
-            if verify == "sample" and rank_and_world()[1] > 1 else []
+            if verify == Verify.SAMPLE and rank_and_world()[1] > 1 else []
         digests, view.sampled_cold = sample_digests(
             [(files[k].fd, files[k].data_start, files[k].identity.size) for k in sampled])
         samples = dict(zip(sampled, digests))

@@ -9,6 +9,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
+from ..distributed import Choice
+
+
+class Role(Choice):
+    """What a tensor of a ``PeftModel`` is to its active adapter."""
+
+    ADAPTER = "adapter"  # one of the active adapter's own tensors
+    OTHER = "other"  # a tensor of another adapter
+    BASE = "base"  # a tensor of the base model
+
 
 def peft_info(module):
     """(adapter name, tuner prefix) if ``module`` is a PEFT model, else None."""
@@ -18,8 +28,8 @@ def peft_info(module):
     return module.active_adapter, getattr(module.base_model, "prefix", "lora_")
 
 
-def peft_role(name: str, adapter: str, prefix: str) -> tuple[str, list[str]]:
-    """("adapter" | "other" | "base", the names peft's own checkpoints use for tensor ``name``).
+def peft_role(name: str, adapter: str, prefix: str) -> tuple[Role, list[str]]:
+    """(its ``Role``, the names peft's own checkpoints use for tensor ``name``).
 
     ``lora_A.<adapter>.weight`` is saved by peft as ``lora_A.weight``, and a trainable copy
     ``head.modules_to_save.<adapter>.weight`` as ``head.weight``; a wrapped base weight
@@ -29,17 +39,17 @@ def peft_role(name: str, adapter: str, prefix: str) -> tuple[str, list[str]]:
     parts = name.split(".")
     for i in range(1, len(parts)):
         if parts[i] == adapter and parts[i - 1].startswith(prefix):
-            return "adapter", [".".join(parts[:i] + parts[i + 1:])]
+            return Role.ADAPTER, [".".join(parts[:i] + parts[i + 1:])]
         if parts[i] == adapter and parts[i - 1] == "modules_to_save":
-            return "adapter", [".".join(parts[:i - 1] + parts[i + 1:])]
+            return Role.ADAPTER, [".".join(parts[:i - 1] + parts[i + 1:])]
     if any(p.startswith(prefix) or p == "modules_to_save" for p in parts):
-        return "other", []  # a tensor of another adapter
+        return Role.OTHER, []
     base = [p for p in parts if p not in ("base_layer", "original_module")]
-    return "base", ([".".join(base)] if len(base) != len(parts) else [])
+    return Role.BASE, ([".".join(base)] if len(base) != len(parts) else [])
 
 
 def add_peft_aliases(lookup: dict[str, int], model_names: list[str], peft: tuple[str, str],
-                     checkpoint_names: list[str]) -> dict[int, str]:
+                     checkpoint_names: list[str]) -> dict[int, Role]:
     """Add to ``lookup`` (name -> target index) the names peft's checkpoints use for the targets
     named ``model_names``; return each target's role (``peft_role``).
 
@@ -50,18 +60,18 @@ def add_peft_aliases(lookup: dict[str, int], model_names: list[str], peft: tuple
     adapter_checkpoint = any(part.startswith(peft[1])
                              for name in checkpoint_names for part in name.split("."))
     own = set(lookup)
-    roles: dict[int, str] = {}
+    roles: dict[int, Role] = {}
     for i, name in enumerate(model_names):
         roles[i], extra = peft_role(name, *peft)
         for alias in extra:
-            if alias not in lookup or (alias not in own and (roles[i] == "adapter") == adapter_checkpoint):
+            if alias not in lookup or (alias not in own and (roles[i] == Role.ADAPTER) == adapter_checkpoint):
                 lookup[alias] = i
     return roles
 
 
-def required_by_role(roles: dict[int, str], fed: Iterable[int]) -> set[int]:
+def required_by_role(roles: dict[int, Role], fed: Iterable[int]) -> set[int]:
     """The targets a checkpoint feeding targets ``fed`` must cover: an adapter checkpoint its
     adapter's tensors (the base left alone), a base checkpoint the base tensors (adapters left as
     initialised)."""
-    role = "adapter" if any(roles[i] == "adapter" for i in fed) else "base"
+    role = Role.ADAPTER if any(roles[i] == Role.ADAPTER for i in fed) else Role.BASE
     return {i for i, r in roles.items() if r == role}

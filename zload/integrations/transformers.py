@@ -18,7 +18,8 @@ from contextlib import ExitStack
 from math import prod
 from unittest import mock
 
-from ..checkpoint.index import DTYPES, CheckpointIndex
+from ..checkpoint.dtypes import TORCH_DTYPES
+from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.pieces import Piece, Source
 from .transformers_registry import conversion_registry
 
@@ -99,7 +100,7 @@ def _converter_sources(module, converter, target_key, group,
     import torch
 
     def meta_tensor(entry):
-        return torch.empty(entry.shape, dtype=getattr(torch, DTYPES[entry.dtype][0]), device="meta")
+        return torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype], device="meta")
 
     meta_out = _run_converter(converter, target_key, group, meta_tensor, module)
     keys = [key for key in meta_out if wanted(key)]

@@ -21,11 +21,20 @@ from __future__ import annotations
 import logging
 import os
 
+from ..distributed import Choice
 from .torch_scatter import Dequant, Segment, scatter_cast_torch
 
 log = logging.getLogger("zload")
 
-_BACKENDS = ("auto", "torch", "triton")
+
+class Backend(Choice):
+    """``ZLOAD_KERNEL``: which kernels copy (see the module docstring)."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    TRITON = "triton"
+
+
 _triton_broken: str | None = None  # why auto stopped using Triton, once it has
 
 
@@ -35,12 +44,10 @@ def zero_segment(dst: int, dst_offset: int, numel: int) -> Segment:
     return Segment(0, None, numel, dst, dst_offset)
 
 
-def backend() -> str:
-    """``ZLOAD_KERNEL``, checked: ``auto``, ``torch`` or ``triton``."""
-    choice = os.environ.get("ZLOAD_KERNEL", "").strip().lower() or "auto"
-    if choice not in _BACKENDS:
-        raise ValueError(f"ZLOAD_KERNEL={choice!r}: expected one of {', '.join(_BACKENDS)}")
-    return choice
+def backend() -> Backend:
+    """``ZLOAD_KERNEL`` as a ``Backend``; another value is an ``ArgumentValueError`` (a ``ValueError``)
+    naming those allowed."""
+    return Backend.of(os.environ.get("ZLOAD_KERNEL", "").strip().lower() or "auto", "ZLOAD_KERNEL")
 
 
 def scatter_cast(staging, segments, destinations) -> None:
@@ -55,10 +62,10 @@ def scatter_cast(staging, segments, destinations) -> None:
     A segment with a ``Dequant`` is FP8 scaled on the way: ``(fp8.to(float32) * scale).to(dtype)``.
     """
     choice = backend()
-    choice_forced = choice == "triton"
-    if choice == "auto":
-        choice = "triton" if _auto_triton(segments, destinations) else "torch"
-    if choice == "triton":
+    choice_forced = choice == Backend.TRITON
+    if choice == Backend.AUTO:
+        choice = Backend.TRITON if _auto_triton(segments, destinations) else Backend.TORCH
+    if choice == Backend.TRITON:
         try:
             from .triton_scatter import scatter_cast_triton
 

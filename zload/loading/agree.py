@@ -8,19 +8,27 @@ of the files some rank lacks (``checkpoint.views.share_index``), then plan and a
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from ..checkpoint.hub import download
 from ..checkpoint.open import refuse_revision
-from ..checkpoint.views import LocalView, SharedIndex, local_view, share_index, verify_fully
+from ..checkpoint.views import LocalView, SharedIndex, Verify, local_view, share_index, verify_fully
 from ..distributed import Arguments, Problem, digest, exchange, problems_of, raise_for, reduce_max, same_everywhere
 from ..errors import PlanError
 from .plan import LoadPlan, collectives_differing
 
 
-def _planned(plan_load, shared: SharedIndex) -> tuple[LoadPlan | None, list[Problem]]:
-    """``plan_load(index, remote_files, quantization)`` of ``shared``, and its problems (an
-    exception, or the plan's own)."""
-    plan, problems = problems_of("planning", lambda: plan_load(shared.index, shared.remote_files,
-                                                              shared.quantization))
+class Planner(Protocol):
+    """Plans one rank's load, on every rank, once the ranks see the checkpoint the same way."""
+
+    def plan(self, shared: SharedIndex) -> LoadPlan:
+        """This rank's plan against ``shared`` (which files it lacks, the agreed quantization);
+        what stands in the way is in its ``problems``, and an exception is a problem too."""
+
+
+def _planned(planner: Planner, shared: SharedIndex) -> tuple[LoadPlan | None, list[Problem]]:
+    """``planner``'s plan of ``shared``, and its problems (an exception, or the plan's own)."""
+    plan, problems = problems_of("planning", lambda: planner.plan(shared))
     return plan, (problems if plan is None else [Problem(PlanError, p) for p in plan.problems])
 
 
@@ -61,8 +69,8 @@ def _agree_on_plans(plan: LoadPlan | None, problems: list[Problem], troubled: bo
                         "same way on every rank)", ranks=tuple(range(len(gathered))))
 
 
-def open_agreed(path: str, revision: str | None, verify: str, arguments: Arguments,
-                plan_load) -> tuple[str, SharedIndex, LoadPlan]:
+def open_agreed(path: str, revision: str | None, verify: Verify, arguments: Arguments,
+                planner: Planner) -> tuple[str, SharedIndex, LoadPlan]:
     """Index the checkpoint and plan the load on every rank; raise on all if any rank cannot.
 
     Usually every rank sees the same whole checkpoint: each plans against its own view, and one
@@ -72,14 +80,13 @@ def open_agreed(path: str, revision: str | None, verify: str, arguments: Argumen
     collectives (``LoadPlan.collectives``). ``verify="full"`` digests every file after it and
     settles again. Otherwise (node-local shards, copies that differ, a Hub repo id, a bad header)
     the ranks exchange their views, and then plan and agree on the plans.
-    ``plan_load(index, remote_files, quantization)`` plans one rank's load. The returned index's
-    files stay open; the caller closes them.
+    ``planner`` plans one rank's load. The returned index's files stay open; the caller closes them.
     """
     view = local_view(path, verify) if arguments.invalid is None else LocalView(path, None)
     try:
-        plan, problems = _planned(plan_load, view.shared()) if view.whole else (None, [])
+        plan, problems = _planned(planner, view.shared()) if view.whole else (None, [])
         same, troubled, differing = _settled(view, arguments, plan, problems)
-        if verify == "full":  # on every rank, as settled
+        if verify == Verify.FULL:  # on every rank, as settled
             verify_fully(view)
             same, troubled, differing = _settled(view, arguments, plan, problems)
         if same:  # the same whole checkpoint everywhere
@@ -92,13 +99,13 @@ def open_agreed(path: str, revision: str | None, verify: str, arguments: Argumen
             view.close()
             source = download(path, revision)
             view = local_view(source, verify)
-            if verify == "full":
+            if verify == Verify.FULL:
                 verify_fully(view)
             shared = share_index(view, _refused(source))
             view.forget_sampled()
         else:
             refuse_revision(path, revision)
-        plan, problems = _planned(plan_load, shared)
+        plan, problems = _planned(planner, shared)
         collectives = digest(plan.collectives if plan else None)
         troubled, high, negated_low = reduce_max([len(problems), collectives, -collectives])
         _agree_on_plans(plan, problems, bool(troubled), not same_everywhere(high, negated_low), arguments,

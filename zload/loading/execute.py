@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checkpoint.dtypes import TORCH_DTYPES
 from ..checkpoint.files import FileTable, OpenFile
-from ..checkpoint.index import DTYPES
 from ..checkpoint.pagecache import ReadAhead
 from ..distributed import local_ranks, rank_and_world, reader_count
 from ..errors import CheckpointError
@@ -186,8 +186,7 @@ class _Reader:
         if item.numel == 0:
             return  # preadv of nothing would look like end of file
         dst = self.destinations[item.target]
-        src_dtype = getattr(torch, item.src_dtype)
-        if dst.device.type == "cpu" and dst.dtype == src_dtype:
+        if dst.device.type == "cpu" and dst.dtype == item.src_dtype:
             first = item.dst_offset * dst.element_size()
             self.queue(item.file, item.offset, byte_view(dst)[first:first + item.nbytes])
             return
@@ -200,7 +199,7 @@ class _Reader:
                 staging.ready_for_reading()
             self.queue(part.file, part.offset, staging.view[start:start + part.nbytes])
             dequant = None if part.scale is None else self._queue_scales(part, staging, start)
-            self.segments.append(Segment(start, src_dtype, part.numel, part.target, part.dst_offset,
+            self.segments.append(Segment(start, item.src_dtype, part.numel, part.target, part.dst_offset,
                                          dequant))
 
     def _queue_scales(self, part: ReadItem, staging: _Staging, start: int) -> Dequant:
@@ -210,7 +209,7 @@ class _Reader:
         if nbytes:
             self.queue(file, offset, staging.view[at:at + nbytes])
         scale = part.scale
-        dtype = getattr(torch, DTYPES[scale.entry.dtype][0])
+        dtype = TORCH_DTYPES[scale.entry.dtype]
         return Dequant(at, dtype, nbytes // dtype.itemsize, part.first_element, part.scale_rows[0],
                        scale.rows, scale.columns, scale.kernel_block, scale.grid)
 
@@ -327,4 +326,4 @@ def read_tensor(files: FileTable, entry) -> torch.Tensor:
     with RangeReader(files) as reader:
         reader.read([(file, offset, view[skip * size:(skip + count) * size])
                      for file, offset, skip, count in entry.spans(0, entry.numel)])
-    return out.view(getattr(torch, DTYPES[entry.dtype][0])).reshape(entry.shape)
+    return out.view(TORCH_DTYPES[entry.dtype]).reshape(entry.shape)

@@ -11,12 +11,15 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
 
 import torch
 
-from ..checkpoint.index import CheckpointIndex
-from ..checkpoint.quantized import FP8, Quantization
-from ..checkpoint.views import SharedIndex
+from ..checkpoint.files import FileTable
+from ..checkpoint.quantized import FP8
+from ..checkpoint.views import SharedIndex, Verify
 from ..collector import collector_paused
 from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, stage
 from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
@@ -26,11 +29,11 @@ from ..model.init import is_unloaded, mark_loaded
 from ..model.names import KeyMap, match
 from ..model.targets import ORPHAN, PARTITION, collect_targets, unwrap, zero_partition, zero_sibling
 from ..progress import progress_for
-from ..report import LoadReport, brief, shortened
+from ..report import LoadReport, shortened
 from .agree import open_agreed
 from .execute import DEFAULT_STAGING_BYTES, execute
 from .peers import fetch_remote
-from .plan import LoadPlan, make_plan, staging_problems
+from .plan import LoadPlan, ReadItem, make_plan, staging_problems
 from .slow_path import load_converted
 
 logger = logging.getLogger("zload")
@@ -44,7 +47,7 @@ def _destinations(plan: LoadPlan) -> list[torch.Tensor | None]:
         if target.kind == PARTITION:
             dests[i] = flat_partition(target.tensor)
         elif target.kind == ORPHAN:
-            dests[i] = torch.empty(source.shape, dtype=getattr(torch, target.dtype)).view(-1)
+            dests[i] = torch.empty(source.shape, dtype=target.dtype).view(-1)
         else:
             dests[i] = target.tensor.data.view(-1)
     return dests
@@ -83,7 +86,134 @@ def _zero_padding(param) -> None:
     flat_partition(param)[zero_partition(param).valid:].zero_()
 
 
-VERIFY = ("sample", "full")
+@dataclass(frozen=True)
+class _LoadPlanner:
+    """``load_into``'s ``Planner``: the model's targets matched to the checkpoint's tensors, and
+    what stands in the way of loading them."""
+
+    module: torch.nn.Module
+    live_engine: bool
+    strict: bool
+    key_map: KeyMap | None
+    staging_bytes: int
+
+    def plan(self, shared: SharedIndex) -> LoadPlan:
+        index = shared.index
+        targets = collect_targets(self.module, self.live_engine)
+        matching = match(index, targets, self.module, self.key_map, shared.quantization)
+        plan = make_plan(index, targets, strict=self.strict, matching=matching)
+        plan.problems += staging_problems(plan, self.staging_bytes)
+        lacked = sorted(n for n, e in index.tensors.items() if e.dtype in FP8 and set(e.files) & shared.remote_files)
+        if lacked:  # first: it is why they are refused, whatever else this rank finds
+            plan.problems.insert(0, f"FP8 weights in files this rank lacks cannot be sent to it yet: "
+                                    f"{shortened(lacked, 5)}; put the checkpoint where every node sees it")
+        left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
+        if self.strict and left:
+            plan.problems.append(f"{len(left)} parameters built by zload.init (no trained values until "
+                                 f"loaded) would stay unwritten (strict=True): {shortened(left, 20)}")
+        return plan
+
+
+@dataclass(frozen=True)
+class Moved:
+    """The bytes a load moved on this rank."""
+
+    read: int = 0  # from files here, for this rank or for the ranks it served
+    sent: int = 0  # to ranks that lack a file
+    received: int = 0  # from ranks that hold the files this rank lacks
+
+    def __add__(self, other: Moved) -> Moved:
+        return Moved(self.read + other.read, self.sent + other.sent, self.received + other.received)
+
+
+class ByteSource(Protocol):
+    """One way a load's bytes reach the model. Every rank delivers every source in the same order,
+    inside the source's ``stage`` (what the error of a peer lost meanwhile names); a source makes
+    the same collectives on every rank and agrees on its own problems, so a failure on any rank
+    raises the same error on all."""
+
+    @property
+    def stage(self) -> str: ...
+
+    def deliver(self, dests: list[torch.Tensor | None]) -> Moved:
+        """Write this source's bytes into ``dests`` (flat, one per target); what it moved here."""
+
+
+def _failed(source: str) -> str:
+    return f"zload: loading {source} failed part-way; the model is partly written"
+
+
+@dataclass(frozen=True)
+class _LocalFiles:
+    """The checkpoint's files this rank reads itself, under the progress bar."""
+
+    source: str
+    files: FileTable
+    items: list[ReadItem]
+    staging_bytes: int
+    progress: bool | None
+
+    @property
+    def stage(self) -> str:
+        return f"reading {self.source}"
+
+    def deliver(self, dests: list[torch.Tensor | None]) -> Moved:
+        rank = rank_and_world()[0]
+        with progress_for(sum(i.nbytes for i in self.items), rank=rank, enabled=self.progress) as bar:
+            read, problems = problems_of("reading", lambda: execute(self.files, self.items, dests,
+                                                                     self.staging_bytes, bar))
+        agree(problems, _failed(self.source))
+        return Moved(read=read)
+
+
+@dataclass(frozen=True)
+class _Peers:
+    """The byte ranges of the files this rank lacks, sent by ranks that hold them, while it serves
+    the ranges it holds to the ranks that lack them."""
+
+    source: str
+    shared: SharedIndex
+    items: list[ReadItem]
+    staging_bytes: int
+
+    @property
+    def stage(self) -> str:
+        return f"sending and receiving the parts of {self.source} some ranks lack"
+
+    def deliver(self, dests: list[torch.Tensor | None]) -> Moved:
+        served, sent, received, problems = fetch_remote(self.shared, self.items, dests, self.staging_bytes)
+        agree(problems, _failed(self.source))
+        return Moved(served, sent, received)
+
+
+@dataclass(frozen=True)
+class _Converted:
+    """The slow path: each converted target built on one rank and sent to those that need it (one
+    agreement per conversion)."""
+
+    source: str
+    plan: LoadPlan
+    shared: SharedIndex
+
+    @property
+    def stage(self) -> str:
+        return f"converting the tensors of {self.source} that one rank builds"
+
+    def deliver(self, dests: list[torch.Tensor | None]) -> Moved:
+        return Moved(read=load_converted(self.plan, dests, self.shared))
+
+
+def _byte_sources(plan: LoadPlan, shared: SharedIndex, source: str, staging_bytes: int,
+                  progress: bool | None) -> list[ByteSource]:
+    """Where the load's bytes come from, in the order every rank delivers them."""
+    local = [i for i in plan.items if i.file not in shared.remote_files]
+    sources: list[ByteSource] = [_LocalFiles(source, shared.index.opened, local, staging_bytes, progress)]
+    if shared.sharing:  # the same on every rank
+        remote = [i for i in plan.items if i.file in shared.remote_files]
+        sources.append(_Peers(source, shared, remote, staging_bytes))
+    return [*sources, _Converted(source, plan, shared)]
+
+
 _UNCHANGED = "The model was not changed."
 _PARTLY = "The model is partly written: load it again before using it."
 
@@ -116,44 +246,30 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
-    module, engine, path, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify)
-
-    def plan_load(index: CheckpointIndex, remote_files: frozenset[str], quantization: Quantization) -> LoadPlan:
-        targets = collect_targets(module, engine is not None)
-        matching = match(index, targets, module, key_map, quantization)
-        plan = make_plan(index, targets, strict=strict, matching=matching)
-        plan.problems += staging_problems(plan, staging_bytes)
-        lacked = sorted(n for n, e in index.tensors.items() if e.dtype in FP8 and set(e.files) & remote_files)
-        if lacked:  # first: it is why they are refused, whatever else this rank finds
-            plan.problems.insert(0, f"FP8 weights in files this rank lacks cannot be sent to it yet: "
-                                    f"{shortened(lacked, 5)}; put the checkpoint where every node sees it")
-        left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
-        if strict and left:
-            plan.problems.append(f"{len(left)} parameters built by zload.init (no trained values until "
-                                 f"loaded) would stay unwritten (strict=True): {shortened(left, 20)}")
-        return plan
-
+    module, engine, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify)
+    planner = _LoadPlanner(module, engine is not None, strict, key_map, staging_bytes)
     with stage(f"indexing and planning the load of {path}", _UNCHANGED):
-        source, shared, plan = open_agreed(path, revision, verify, arguments, plan_load)
+        source, shared, plan = open_agreed(path, revision, verify, arguments, planner)
     with shared.index:
-        bytes_read, sent, received = _execute(plan, shared, engine, module, source, rank, staging_bytes,
-                                              progress)
+        moved = _execute(plan, shared, engine, module, source, staging_bytes, progress)
 
-    report = LoadReport(source, rank, world, plan.loaded, plan.missing, plan.unexpected,
-                        plan.conversions, plan.orphans, [plan.targets[i].name for i in plan.slow],
-                        bytes_read, sent, received, plan.checkpoint_bytes,
-                        time.perf_counter() - started)
+    report = LoadReport(source=source, rank=rank, world_size=world, loaded=plan.loaded, missing=plan.missing,
+                        unexpected=plan.unexpected, conversions=plan.conversions, repaired_orphans=plan.orphans,
+                        slow_path=[plan.targets[i].name for i in plan.slow], bytes_read=moved.read,
+                        bytes_sent=moved.sent, bytes_received=moved.received,
+                        checkpoint_bytes=plan.checkpoint_bytes, seconds=time.perf_counter() - started)
     _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
     logger.info("%s", report)
     return report
 
 
 def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tuple:
-    """(module, engine or None, path, ``Arguments``) of a ``load_into`` call. The ranks compare every
-    argument but ``progress`` (a bar on rank 0 alone) and where ``path`` leads (node-local copies
-    may lie at different paths; their views are compared instead): the model and a callable
-    ``key_map`` by kind (what the model makes of the call is compared as the plans' collectives).
-    An invalid argument is not raised here but once the ranks know they all passed it."""
+    """(module, engine or None, path, ``Verify``, ``Arguments``) of a ``load_into`` call. The ranks
+    compare every argument but ``progress`` (a bar on rank 0 alone) and where ``path`` leads
+    (node-local copies may lie at different paths; their views are compared instead): the model and
+    a callable ``key_map`` by kind (what the model makes of the call is compared as the plans'
+    collectives), a mode by its string. An invalid argument is not raised here but once the ranks
+    know they all passed it."""
     module = engine = invalid = None
     try:
         module, engine = unwrap(model)
@@ -164,14 +280,17 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tupl
     except TypeError:
         invalid = invalid or ArgumentTypeError(f"zload.load_into expects a path (str or os.PathLike), got "
                                                f"{type(path).__name__}")
-    if verify not in VERIFY:
-        invalid = invalid or ArgumentValueError(f"verify={brief(verify)}: expected one of "
-                                                f"{', '.join(map(repr, VERIFY))}")
+    try:
+        verify = Verify.of(verify, "verify")
+    except ArgumentValueError as e:
+        invalid = invalid or e
 
     def kind(value) -> str:
         return f"a {type(value).__name__}"
 
     def plain(value):  # what any rank can repr and send, and another compare
+        if isinstance(value, Enum):
+            return value.value
         return value if value is None or isinstance(value, (bool, int, float, str)) else kind(value)
 
     model_kind = "a DeepSpeedEngine" if engine is not None else "an nn.Module" if module is not None else kind(model)
@@ -179,34 +298,22 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tupl
         if isinstance(key_map, Mapping) else plain(key_map)
     values = {"model": model_kind, "path": kind(path), "strict": plain(strict), "key_map": key_map_kind,
               "revision": plain(revision), "staging_bytes": plain(staging_bytes), "verify": plain(verify)}
-    return module, engine, path, Arguments("load_into", values, invalid)
+    return module, engine, path, verify, Arguments("load_into", values, invalid)
 
 
-def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, rank: int,
-             staging_bytes: int, progress: bool | None) -> tuple[int, int, int]:
-    """Everything that writes into the model; returns (bytes read, sent, received) on this rank."""
-    files = shared.index.opened
-    local = [i for i in plan.items if i.file not in shared.remote_files]
-    remote = [i for i in plan.items if i.file in shared.remote_files]
+def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, staging_bytes: int,
+             progress: bool | None) -> Moved:
+    """Everything that writes into the model; what it moved on this rank."""
     dests = _destinations(plan)
-    failed = f"zload: loading {source} failed part-way; the model is partly written"
+    moved = Moved()
     with engine_writes(engine):
-        with stage(f"reading {source}", _PARTLY):
-            with progress_for(sum(i.nbytes for i in local), rank=rank, enabled=progress) as bar:
-                bytes_read, problems = problems_of(
-                    "reading", lambda: execute(files, local, dests, staging_bytes, bar))
-            agree(problems, failed)
-        sent = received = 0
-        if shared.sharing:
-            with stage(f"sending and receiving the parts of {source} some ranks lack", _PARTLY):
-                served, sent, received, problems = fetch_remote(shared, remote, dests, staging_bytes)
-                agree(problems, failed)
-            bytes_read += served
-        with stage(f"converting and finishing the tensors of {source}", _PARTLY):
-            bytes_read += load_converted(plan, dests, shared)
+        for byte_source in _byte_sources(plan, shared, source, staging_bytes, progress):
+            with stage(byte_source.stage, _PARTLY):
+                moved += byte_source.deliver(dests)
+        with stage(f"finishing the tensors of {source}", _PARTLY):
             _finish_partitions(plan, dests)
             _repair_orphans(module, plan, dests)
-    return bytes_read, sent, received
+    return moved
 
 
 def _warn(report: LoadReport, never_loaded: list[str]) -> None:

@@ -141,7 +141,7 @@ def _write_received(work, incoming: torch.Tensor, batch, server: int, dests: lis
                                                         f"lacks (see rank {server}'s problem)")]
     if problems:
         return problems  # the load has failed: keep receiving, write no more
-    segments = [Segment(start, getattr(torch, part.src_dtype), part.numel, part.target, part.dst_offset)
+    segments = [Segment(start, part.src_dtype, part.numel, part.target, part.dst_offset)
                 for start, part in batch]
     _, problems = problems_of(f"writing the bytes rank {server} sent",
                               partial(scatter_cast, incoming, segments, dests))

@@ -9,14 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-from ..checkpoint.index import DTYPES, CheckpointIndex
+import torch
+
+from ..checkpoint.dtypes import TORCH_DTYPES
+from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.pieces import Source
 from ..checkpoint.quantized import Scale
 from ..model.names import Matching, match
-from ..model.targets import ORPHAN, PARTITION, Target
+from ..model.targets import ORPHAN, PARTITION, Target, dtype_name
 from ..report import brief, ranks_named, shortened
 
-_FLOATING = {"float16", "bfloat16", "float32", "float64"}
+_FLOATING = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 ALIGN = 64  # staging placement; keeps every dtype view aligned
 
 
@@ -34,7 +37,7 @@ class ReadItem:
     file: str  # the file's key in the checkpoint; only the reader knows where it lies
     offset: int
     nbytes: int
-    src_dtype: str  # torch dtype name
+    src_dtype: torch.dtype
     target: int  # index into LoadPlan.targets
     dst_offset: int
     numel: int
@@ -117,9 +120,9 @@ class LoadPlan:
         if not self.slow and not self.orphans:  # nearly every load: nothing to walk
             return []
         converted = [(self.targets[i], self.sources[i]) for i in self.slow]
-        return [f"the conversion of '{target.name}' (from {', '.join(map(brief, source.names))}; {target.dtype} "
-                f"{list(source.shape)})" for target, source in converted] + \
-               [f"the orphan '{target.name}' ({target.dtype} {list(source.shape)})"
+        return [f"the conversion of '{target.name}' (from {', '.join(map(brief, source.names))}; "
+                f"{dtype_name(target.dtype)} {list(source.shape)})" for target, source in converted] + \
+               [f"the orphan '{target.name}' ({dtype_name(target.dtype)} {list(source.shape)})"
                 for i, source in self.sources.items() if (target := self.targets[i]).kind == ORPHAN]
 
 
@@ -206,15 +209,15 @@ def staging_problems(plan: LoadPlan, staging_bytes: int) -> list[str]:
 
 def _compatibility_problem(target: Target, source: Source) -> str | None:
     if source.scaled:
-        if target.dtype not in _FLOATING - {"float64"}:
-            return f"an FP8 weight dequantises into float32, bfloat16 or float16, not {target.dtype}"
+        if target.dtype not in _FLOATING - {torch.float64}:
+            return f"an FP8 weight dequantises into float32, bfloat16 or float16, not {dtype_name(target.dtype)}"
         if source.convert is not None:
             return ("an FP8 weight converted by transformers beyond stacking and concatenation "
                     "cannot be dequantised by zload; load a dequantised copy")
     for entry in () if source.scaled else source.entries:
-        src = DTYPES[entry.dtype][0]
+        src = TORCH_DTYPES[entry.dtype]
         if src != target.dtype and not (src in _FLOATING and target.dtype in _FLOATING):
-            return f"checkpoint dtype {entry.dtype} cannot be cast to the model's {target.dtype}"
+            return f"checkpoint dtype {entry.dtype} cannot be cast to the model's {dtype_name(target.dtype)}"
     if target.kind != ORPHAN and source.shape != target.shape:
         hint = ""
         if prod(target.shape) == 0 and prod(source.shape) > 0:
@@ -239,7 +242,7 @@ def _reads(target: Target, index: int, source: Source) -> list[ReadItem]:
         entry, size = piece.entry, piece.entry.itemsize
         start = piece.src_offset + first - piece.dst_offset
         for file, offset, skip, count in entry.spans(start, last - first):
-            items.append(ReadItem(file, offset, count * size, DTYPES[entry.dtype][0], index,
+            items.append(ReadItem(file, offset, count * size, TORCH_DTYPES[entry.dtype], index,
                                   first + skip - low, count, piece.scale, start + skip))
     return items
 
@@ -274,8 +277,8 @@ def make_plan(index: CheckpointIndex, targets: list[Target], *, strict: bool = T
         if target.kind == ORPHAN:
             plan.orphans.append(target.name)
         for dtype in sorted({e.dtype for e in source.entries}):
-            if DTYPES[dtype][0] != target.dtype:
-                plan.conversions.setdefault(f"{dtype}->{target.dtype}", []).append(target.name)
+            if TORCH_DTYPES[dtype] != target.dtype:
+                plan.conversions.setdefault(f"{dtype}->{dtype_name(target.dtype)}", []).append(target.name)
         if source.convert is not None:
             plan.slow.append(i)
         else:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..checkpoint.views import SharedIndex
 from ..distributed import agree, collective, comm_device, problems_of, rank_and_world
-from ..errors import ZloadError
+from ..errors import CheckpointError, UnsupportedModelError
 from ..integrations.deepspeed import zero3_group
 from ..model.targets import PARTITION
 from .execute import read_tensor
@@ -27,8 +27,8 @@ def _build(source, dtype, read) -> tuple[torch.Tensor | None, list]:
     def convert():
         tensor = source.convert(read).to(dtype).reshape(-1).contiguous()
         if tensor.numel() != prod(source.shape):
-            raise ZloadError(f"converting {list(source.names)} gave {tensor.numel()} elements, "
-                             f"expected shape {list(source.shape)}")
+            raise UnsupportedModelError(f"converting {list(source.names)} gave {tensor.numel()} elements, "
+                                        f"expected shape {list(source.shape)}")
         return tensor
 
     return problems_of(f"converting {list(source.names)}", convert)
@@ -53,8 +53,9 @@ def load_converted(plan: LoadPlan, dests: list[torch.Tensor], shared: SharedInde
         target, source, dst = plan.targets[i], plan.sources[i], dests[i]
         candidates = shared.ranks_reading({f for e in source.entries for f in e.files})
         if not candidates:
-            raise ZloadError(f"zload: no single rank can read all of {list(source.names)} (they lie on "
-                             f"different nodes), which converting '{target.name}' needs", tensor=target.name)
+            raise CheckpointError(f"zload: no single rank can read all of {list(source.names)} (they lie on "
+                                  f"different nodes), which converting '{target.name}' needs; put the "
+                                  "checkpoint where one node sees all of its files", tensor=target.name)
         reader = candidates[conversions.setdefault(source.names, len(conversions)) % len(candidates)]
         tensor, problems = None, []
         if rank == reader:

@@ -37,7 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..collector import collector_paused
-from ..errors import ZloadError
+from ..errors import UnsupportedModelError
 from ..integrations.deepspeed import (
     attach_first_partition,
     build_device,
@@ -378,7 +378,7 @@ def init(config=None, *, dtype: torch.dtype | None = None, enabled: bool = True,
             _leave_meta(param, device)
     leftovers = _meta_leftovers(modules)
     if leftovers:
-        raise ZloadError(
+        raise UnsupportedModelError(
             f"zload.init: {', '.join(leftovers)} ended up on the meta device: computed in __init__ "
             "from a parameter, which has no values inside zload.init. Compute it in forward() or "
             "after loading, or build this model with deepspeed.zero.Init")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.partition import Partition
+from ..distributed import Choice
 from ..errors import ArgumentTypeError
 from ..integrations.deepspeed import (
     as_engine,
@@ -26,9 +27,16 @@ from ..integrations.deepspeed import (
     zero3_shape,
 )
 
-PARTITION = "partition"  # ZeRO-3 parameter: this rank owns a flat slice, written into ds_tensor
-FULL = "full"  # plain parameter or buffer: every rank writes the whole tensor
-ORPHAN = "orphan"  # plain [0]-shaped parameter re-created after zero.Init: shape comes from the file
+
+class Kind(Choice):
+    """Where a target's bytes land on this rank."""
+
+    PARTITION = "partition"  # ZeRO-3 parameter: this rank owns a flat slice, written into ds_tensor
+    FULL = "full"  # plain parameter or buffer: every rank writes the whole tensor
+    ORPHAN = "orphan"  # plain [0]-shaped parameter re-created after zero.Init: shape comes from the file
+
+
+PARTITION, FULL, ORPHAN = Kind.PARTITION, Kind.FULL, Kind.ORPHAN  # the names the pipeline compares kinds by
 
 
 @dataclass(frozen=True)
@@ -36,9 +44,9 @@ class Target:
     """One destination tensor of the model, under every name the model gives it."""
 
     names: tuple[str, ...]  # tied weights have several; the first is the canonical one
-    kind: str  # PARTITION, FULL or ORPHAN
+    kind: Kind
     shape: tuple[int, ...]  # full logical shape (ds_shape for partitions); () unused for ORPHAN
-    dtype: str  # torch dtype name of the destination, e.g. "bfloat16"
+    dtype: torch.dtype  # of the destination
     required: bool  # parameters and persistent buffers must be covered by the checkpoint
     partition: Partition | None = None  # only for PARTITION
     problem: str | None = None  # why this tensor cannot be loaded at all (reported by the planner)
@@ -58,7 +66,8 @@ def unwrap(model):
     raise ArgumentTypeError(f"zload.load_into expects an nn.Module or a DeepSpeedEngine, got {type(model).__name__}")
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, as messages and reports name a dtype."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -97,7 +106,7 @@ def _zero_target(names, param, live_engine: bool, places: dict) -> Target:
     if problem is None and partition_size(param) != part.size:
         problem = (f"has a {partition_size(param)}-element partition where ceil({part.numel}/"
                    f"{part.world}) = {part.size} was expected; unsupported partitioning")
-    return Target(tuple(names), PARTITION, zero3_shape(param), dtype_name(partition_dtype(param)),
+    return Target(tuple(names), PARTITION, zero3_shape(param), partition_dtype(param),
                   True, part, problem, param)
 
 
@@ -114,7 +123,7 @@ def collect_targets(module, live_engine: bool = False) -> list[Target]:
         if is_zero3(p):
             targets.append(_zero_target(names, p, live_engine, places))
         elif under_zero3 and p.numel() == 0:
-            dtype = dtype_name(partition_dtype(zero_sibling(module, names[0])))
+            dtype = partition_dtype(zero_sibling(module, names[0]))
             targets.append(Target(tuple(names), ORPHAN, (), dtype, True, tensor=p))
         else:
             targets.append(_full_target(names, p, required=True))
@@ -141,7 +150,7 @@ def _full_target(names, tensor, required: bool) -> Target:
         problem = "is on the meta device; materialise the model (to_empty) before loading"
     elif not tensor.is_contiguous():
         problem = "is not contiguous"
-    return Target(tuple(names), FULL, tuple(tensor.shape), dtype_name(tensor.dtype), required,
+    return Target(tuple(names), FULL, tuple(tensor.shape), tensor.dtype, required,
                   problem=problem, tensor=tensor)
 
 

@@ -24,15 +24,14 @@ import warnings
 from dataclasses import dataclass
 from math import ceil, prod
 
-import torch
-
+from ..checkpoint.dtypes import TORCH_DTYPES
 from ..checkpoint.files import FileTable, open_regular
-from ..checkpoint.index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry, read_json
+from ..checkpoint.index import SINGLE_FILE, CheckpointIndex, TensorEntry, read_json
 from ..checkpoint.native import LATEST, converted_tensors, native_folder, read_native
 from ..checkpoint.views import LocalView, share_index, viewed
 from ..collector import collector_paused
-from ..distributed import agree, problems_of, rank_and_world, stage
-from ..errors import ArgumentValueError, CheckpointError, CheckpointNotFoundError, ZloadWarning
+from ..distributed import Choice, agree, problems_of, rank_and_world, stage
+from ..errors import CheckpointError, CheckpointNotFoundError, ZloadWarning
 from ..loading.execute import DEFAULT_STAGING_BYTES
 from ..progress import progress_for
 from ..report import SaveReport, brief
@@ -42,7 +41,14 @@ from .folder import writing
 from .plan import OutFile, OutTensor, WriteItem
 from .save import write_checkpoint
 
-WEIGHTS = ("master", "module")
+
+class Weights(Choice):
+    """Which weights ``convert`` writes."""
+
+    MASTER = "master"  # the fp32 master weights, as zero_to_fp32 returns them
+    MODULE = "module"  # the module's own, 16-bit when trained so
+
+
 CONFIG = "config.json"  # copied from the folder holding the tag folder (an HF Trainer checkpoint-N/)
 _HUB_REPO = re.compile(r"(models|datasets|spaces)--.+")  # a repository's folder in the Hub cache
 
@@ -91,9 +97,7 @@ def _config(root: str) -> tuple[bytes | None, list[str]]:
 
 
 def _read(source: str, weights: str, with_config: bool) -> _Source:
-    if weights not in WEIGHTS:
-        raise ArgumentValueError(f"weights={weights!r}: expected 'master' (the fp32 master weights) or "
-                                 "'module' (the module's own, 16-bit when trained so)")
+    module_weights = Weights.of(weights, "weights") == Weights.MODULE
     folder = native_folder(source)
     if folder is None:
         where = "no such folder" if not os.path.lexists(source) else "not a folder" if not os.path.isdir(source) \
@@ -103,13 +107,13 @@ def _read(source: str, weights: str, with_config: bool) -> _Source:
                                       path=source)
     table = FileTable()
     try:
-        layout, entries = read_native(folder, table, module_weights=weights == "module")
+        layout, entries = read_native(folder, table, module_weights=module_weights)
         config = _config(os.path.dirname(os.path.abspath(folder))) if with_config else (None, [])
         index = CheckpointIndex(source, tuple(table.files), entries, opened=table, root=os.path.abspath(folder))
     except BaseException:
         table.close()
         raise
-    return _Source(viewed(source, index), converted_tensors(layout, entries, weights == "module"), *config)
+    return _Source(viewed(source, index), converted_tensors(layout, entries, module_weights), *config)
 
 
 def _read_agreed(source: str, weights: str, with_config: bool) -> _Source:
@@ -138,7 +142,7 @@ def byte_share(files: list[OutFile], rank: int, world: int) -> list[WriteItem]:
     low, high, at, items = total * rank // world, total * (rank + 1) // world, 0, []
     for f in files:
         for tensor, position in f.tensors:
-            size, numel = getattr(torch, tensor.dtype).itemsize, prod(tensor.shape)
+            size, numel = tensor.dtype.itemsize, prod(tensor.shape)
             first, last = (min(numel, max(0, ceil((bound - at) / size))) for bound in (low, high))
             if first < last:
                 items.append(WriteItem(f.name, position + first * size, tensor.pieces[0][0], first,
@@ -149,9 +153,41 @@ def byte_share(files: list[OutFile], rank: int, world: int) -> list[WriteItem]:
 
 def _plan(tensors: list[tuple[TensorEntry, str]], max_shard_size: int | str) -> save_plan.SavePlan:
     """The files, as ``save`` lays them out; each tensor whole from its entry (target ``i``)."""
-    out = [OutTensor(entry.name, DTYPES[dtype][0], entry.shape, ((i, 0, 0, entry.numel),))
+    out = [OutTensor(entry.name, TORCH_DTYPES[dtype], entry.shape, ((i, 0, 0, entry.numel),))
            for i, (entry, dtype) in enumerate(tensors)]
     return save_plan.SavePlan([], save_plan.layout(out, save_plan.parse_size(max_shard_size)), SINGLE_FILE, [])
+
+
+@dataclass(frozen=True)
+class _ConvertSink:
+    """``convert``'s sink: each rank's equal share of the output's bytes (rank 0 all of them where
+    the ranks do not share the folder), read from the DeepSpeed checkpoint's files; the config
+    beside its tag folder copied."""
+
+    read: _Source
+    max_shard_size: int | str
+    staging_bytes: int
+    progress: bool | None
+
+    def plan(self) -> save_plan.SavePlan:
+        return _plan(self.read.tensors, self.max_shard_size)
+
+    def write(self, plan: save_plan.SavePlan, staging: str, shared: bool, failed: str) -> tuple[int, list[str]]:
+        rank, world = rank_and_world()
+        writers = world if shared else 1
+        items = byte_share(plan.files, rank, writers) if rank < writers else []
+        entries = [entry for entry, _ in self.read.tensors]
+        with progress_for(sum(i.numel * entries[i.target].itemsize for i in items), rank=rank,
+                          enabled=self.progress) as bar:
+            written, problems = problems_of("writing", lambda: writer.write_from_files(
+                items, entries, self.read.view.index.opened, staging, self.staging_bytes, bar))
+        agree(problems, failed)
+        return written, []
+
+    def write_configs(self, plan: save_plan.SavePlan, folder: str) -> None:
+        if self.read.config is not None:
+            with writing(os.path.join(folder, CONFIG)), open(os.path.join(folder, CONFIG), "wb") as copy:
+                copy.write(self.read.config)
 
 
 @collector_paused()
@@ -175,33 +211,15 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: s
     ``progress``: a bar on rank 0 (None: only on a terminal).
     """
     started = time.perf_counter()
-    rank, world = rank_and_world()
     source, final = os.fspath(checkpoint), os.path.abspath(os.fspath(out))
+    rank = rank_and_world()[0]
     with stage(f"reading {source}", "Nothing was written."):
         read = _read_agreed(source, weights, with_config=rank == 0)  # rank 0 publishes the configs
-    entries = [entry for entry, _ in read.tensors]
-
-    def write(plan, staging: str, shared: bool, failed: str) -> int:
-        writers = world if shared else 1
-        items = byte_share(plan.files, rank, writers) if rank < writers else []
-        with progress_for(sum(i.numel * entries[i.target].itemsize for i in items), rank=rank,
-                          enabled=progress) as bar:
-            written, problems = problems_of("writing", lambda: writer.write_from_files(
-                items, entries, read.view.index.opened, staging, staging_bytes, bar))
-        agree(problems, failed)
-        return written
-
-    def write_config(plan, folder: str) -> None:
-        if read.config is not None:
-            with writing(os.path.join(folder, CONFIG)), open(os.path.join(folder, CONFIG), "wb") as copy:
-                copy.write(read.config)
-
+    sink = _ConvertSink(read, max_shard_size, staging_bytes, progress)
     try:
-        plan, written, notes = write_checkpoint(final, lambda: _plan(read.tensors, max_shard_size), write,
-                                                write_config, None)
+        report, notes = write_checkpoint(final, sink, None, started)
     finally:
         read.view.close()
     for note in read.notes + notes:  # point at the caller's convert() line
         warnings.warn(note, ZloadWarning, stacklevel=3)
-    return SaveReport(final, [f.name for f in plan.files], sum(f.size for f in plan.files), written, [],
-                      time.perf_counter() - started)
+    return report

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 
 from ..checkpoint.files import FileTable, open_regular
 from ..checkpoint.index import MAX_INDEX_BYTES, read_weight_map, shard_path
-from ..errors import WriteError, ZloadError
+from ..errors import ArgumentValueError, WriteError, ZloadError
 
 STAGING_PREFIX = ".zload-save-"
 LOCK = "lock"  # in the staging folder: flocked by the running save; says who it is
@@ -121,12 +121,13 @@ def check_target(final: str) -> None:
     if not os.path.lexists(final):
         return
     if os.path.islink(final) and not os.path.exists(final):
-        raise ZloadError(f"{final} is a symbolic link to {os.readlink(final)}, which does not exist; "
-                         "pass a folder (or a link to one)", path=final)
+        raise ArgumentValueError(f"{final} is a symbolic link to {os.readlink(final)}, which does not exist; "
+                                 "pass a folder (or a link to one)", path=final)
     if not os.path.isdir(final):
         kind = "a file" if os.path.isfile(final) else "not a folder"
-        raise ZloadError(f"{final} is {kind}; zload.save writes a folder of files "
-                         "(model.safetensors or shards, an index, config.json): pass a folder path", path=final)
+        raise ArgumentValueError(f"{final} is {kind}; zload.save writes a folder of files "
+                                 "(model.safetensors or shards, an index, config.json): pass a folder path",
+                                 path=final)
 
 
 def _referenced(folder: str, single: str) -> tuple[set[str], set[str]]:
@@ -285,10 +286,10 @@ class SaveFolder:
                     held = False  # cannot tell: not a reason to refuse
                 if held:
                     lines = os.pread(fd, 200, 0).decode(errors="replace").splitlines()
-                    raise ZloadError(f"another zload.save into {self.final} is running ("
+                    raise WriteError(f"another zload.save into {self.final} is running ("
                                      f"{lines[1] if len(lines) > 1 else 'unknown process'}); two "
                                      "saves into one folder would replace each other's files. Wait "
-                                     "for it, or save elsewhere", path=self.final)
+                                     "for it, or save elsewhere", path=self.final, errno=errno.EBUSY)
             finally:
                 os.close(fd)  # releases the lock if this took it
 
@@ -341,7 +342,7 @@ class SaveFolder:
         if name != single and os.path.lexists(os.path.join(self.final, single)):
             _remove(self.final, {single: None})
             if os.path.lexists(os.path.join(self.final, single)):
-                raise ZloadError(f"cannot remove {os.path.join(self.final, single)}, which readers "
+                raise WriteError(f"cannot remove {os.path.join(self.final, single)}, which readers "
                                  "would load instead of the new checkpoint's index",
                                  path=os.path.join(self.final, single))
         self.committed = True

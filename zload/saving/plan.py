@@ -15,16 +15,16 @@ from math import prod
 import torch
 
 from ..checkpoint.digest import DIGEST_KEY, DIGEST_PLACEHOLDER
-from ..checkpoint.index import DTYPES, SINGLE_FILE, CheckpointIndex, TensorEntry
-from ..errors import ArgumentValueError, ZloadError
-from ..integrations.peft import peft_info, peft_role
+from ..checkpoint.dtypes import CODES
+from ..checkpoint.index import SINGLE_FILE, CheckpointIndex, TensorEntry
+from ..errors import ArgumentValueError, PlanError, UnsupportedModelError
+from ..integrations.peft import Role, peft_info, peft_role
 from ..integrations.transformers import revert_conversion, transformers_model
 from ..loading.plan import element_steps
 from ..model.names import match
-from ..model.targets import ORPHAN, PARTITION, Target, dtype_name
+from ..model.targets import ORPHAN, PARTITION, Target
 
 ADAPTER_FILE = "adapter_model.safetensors"
-_CODES = {torch_name: code for code, (torch_name, _) in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class OutTensor:
     ``(target index, element offset in the target, element offset in this tensor, numel)``."""
 
     name: str
-    dtype: str  # torch dtype name
+    dtype: torch.dtype
     shape: tuple[int, ...]
     pieces: tuple[tuple[int, int, int, int], ...]
     # Targets whose reversed transformers conversion is no byte layout: this tensor is written
@@ -42,7 +42,7 @@ class OutTensor:
 
     @property
     def nbytes(self) -> int:
-        return prod(self.shape) * getattr(torch, self.dtype).itemsize
+        return prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def _file(name: str, tensors: list[OutTensor]) -> OutFile:
     header: dict = {"__metadata__": {"format": "pt", DIGEST_KEY: DIGEST_PLACEHOLDER}}
     offset = 0
     for t in tensors:
-        header[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
+        header[t.name] = {"dtype": CODES[t.dtype], "shape": list(t.shape),
                           "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -115,18 +115,17 @@ def _checkpoint_names(module, targets: list[Target], wanted: list[int]) -> dict[
     """
     if transformers_model(module) is None:
         return {i: [_as_is(targets, i, targets[i].name)] for i in wanted}
-    meta = {targets[i].name: torch.empty(targets[i].shape, dtype=getattr(torch, targets[i].dtype),
-                                         device="meta") for i in wanted}
+    meta = {targets[i].name: torch.empty(targets[i].shape, dtype=targets[i].dtype, device="meta") for i in wanted}
     reverted = revert_conversion(module, meta)
     fake = {}
     for k, (name, t) in enumerate(reverted.items()):
-        fake[name] = TensorEntry(name, "", _CODES[dtype_name(t.dtype)], tuple(t.shape),
+        fake[name] = TensorEntry(name, "", CODES[t.dtype], tuple(t.shape),
                                  k, t.numel() * t.element_size())
     matching = match(CheckpointIndex("", ("",), fake), targets, module)
     lost = [targets[i].name for i in wanted if i not in matching.sources]
     if lost or matching.unexpected:
-        raise ZloadError(f"transformers' reversed conversion mapping does not round-trip for "
-                         f"{lost or matching.unexpected}; cannot name them as transformers would")
+        raise UnsupportedModelError(f"transformers' reversed conversion mapping does not round-trip for "
+                                    f"{lost or matching.unexpected}; cannot name them as transformers would")
     out: dict[int, list] = {}
     for i, source in matching.sources.items():
         if source.convert is not None:
@@ -146,7 +145,7 @@ def out_tensors(module, targets: list[Target], dtype: torch.dtype | None) -> tup
         chosen = []
         for i, t in enumerate(targets):
             role, aliases = peft_role(t.name, *peft)
-            if role == "adapter":
+            if role == Role.ADAPTER:
                 chosen.append((i, aliases[0]))
         wanted = [i for i, _ in chosen]
         names = {i: [_as_is(targets, i, name)] for i, name in chosen}
@@ -157,8 +156,8 @@ def out_tensors(module, targets: list[Target], dtype: torch.dtype | None) -> tup
         single = SINGLE_FILE
     merged: dict[str, OutTensor] = {}
     for i in wanted:
-        floating = getattr(torch, targets[i].dtype).is_floating_point  # ints and bools keep theirs
-        out_dtype = dtype_name(dtype) if dtype is not None and floating else targets[i].dtype
+        floating = targets[i].dtype.is_floating_point  # ints and bools keep theirs
+        out_dtype = dtype if dtype is not None and floating else targets[i].dtype
         for name, shape, pieces, built_from in names.get(i, []):
             if name in merged:  # several model tensors feed one saved tensor
                 prior = merged[name]
@@ -179,15 +178,15 @@ class WriteItem:
     target: int
     src_offset: int
     numel: int
-    dtype: str
+    dtype: torch.dtype
 
     @property
     def nbytes(self) -> int:
-        return self.numel * getattr(torch, self.dtype).itemsize
+        return self.numel * self.dtype.itemsize
 
     def split(self, max_bytes: int) -> list[WriteItem]:
         """This write cut into element-aligned pieces of at most ``max_bytes``."""
-        size = getattr(torch, self.dtype).itemsize
+        size = self.dtype.itemsize
         return [WriteItem(self.file, self.offset + first * size, self.target, self.src_offset + first,
                           count, self.dtype)
                 for first, count in element_steps(self.numel, size, max_bytes)]
@@ -199,7 +198,7 @@ def plan_writes(files: list[OutFile], targets: list[Target], rank: int, world: i
     items = []
     for f in files:
         for tensor, position in f.tensors:
-            size = getattr(torch, tensor.dtype).itemsize
+            size = tensor.dtype.itemsize
             for i, model_offset, out_offset, numel in tensor.pieces:
                 target = targets[i]
                 if target.kind == PARTITION:
@@ -227,13 +226,13 @@ class SavePlan:
 
 def make_save_plan(module, targets: list[Target], dtype: torch.dtype | None, max_shard_size: int | str,
                    rank: int, world: int) -> SavePlan:
-    """The save plan of ``module``'s ``targets``; raises ``ZloadError`` naming every tensor that
+    """The save plan of ``module``'s ``targets``; raises a ``PlanError`` naming every tensor that
     cannot be saved as it is."""
     problems = [f"'{t.name}': {t.problem}" for t in targets if t.problem and t.kind != PARTITION]
     problems += [f"'{t.name}': a [0]-shaped parameter re-created after zero.Init; load it "
                  "(zload.load_into repairs it) before saving" for t in targets if t.kind == ORPHAN]
     if problems:
-        raise ZloadError("; ".join(problems))
+        raise PlanError("; ".join(problems))
     tensors, single = out_tensors(module, targets, dtype)
     # peft reads one adapter file only, so an adapter is never sharded
     limit = parse_size(max_shard_size) if single != ADAPTER_FILE else float("inf")

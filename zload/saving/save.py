@@ -14,17 +14,18 @@ import os
 import secrets
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Protocol
 
 import torch
 
 from ..collector import collector_paused
 from ..distributed import agree, exchange, problems_of, rank_and_world, stage
-from ..errors import ArgumentTypeError, ZloadWarning
+from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
 from ..loading.execute import DEFAULT_STAGING_BYTES
 from ..model.targets import collect_targets, unwrap
-from ..report import SaveReport
+from ..report import SaveReport, brief
 from . import plan as save_plan
 from . import writer
 from .folder import LOCK, STAGING_PREFIX, SaveFolder
@@ -32,7 +33,7 @@ from .folder import LOCK, STAGING_PREFIX, SaveFolder
 
 @collector_paused()
 def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-         dtype: torch.dtype | None = None, master_weights: bool = False,
+         dtype: torch.dtype | str | None = None, master_weights: bool = False,
          shared_filesystem: bool | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
          buffer_bytes: int | None = None) -> SaveReport:
     """Write ``model`` (an nn.Module, ZeRO-3 or not, or a DeepSpeedEngine) to the folder ``path``.
@@ -43,9 +44,10 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     adapter alone, as peft does (``adapter_model.safetensors`` + ``adapter_config.json``).
     Every parameter (trainable or frozen) and persistent buffer is written at full shape, tied
     weights once. No rank gathers anything: each writes its own partitions, in pieces of at most
-    ``staging_bytes``. ``dtype`` converts on the way; ``master_weights`` writes a live engine's fp32
-    master weights of trainable parameters. ``shared_filesystem=None`` detects whether all ranks
-    see the same folder; if not, ranks stream their slices to rank 0. Must be called by every rank.
+    ``staging_bytes``. ``dtype`` (a ``torch.dtype`` or its name) converts on the way;
+    ``master_weights`` writes a live engine's fp32 master weights of trainable parameters.
+    ``shared_filesystem=None`` detects whether all ranks see the same folder; if not, ranks stream
+    their slices to rank 0. Must be called by every rank.
     Only zload's own files in ``path`` are written or removed (see ``zload.savedir``); a checkpoint
     already there is replaced only once every rank has succeeded, in one rename; a write that fails
     (a full disk, a spent quota) raises a ``WriteError`` naming the file on every rank.
@@ -56,54 +58,94 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                       "buffer_bytes will be removed", FutureWarning, stacklevel=3)
         staging_bytes = buffer_bytes
     started = time.perf_counter()
-    rank, world = rank_and_world()
     module, engine = unwrap(model)
-    final = os.path.abspath(os.fspath(path))
-
-    def plan_save():
-        if master_weights and engine is None:
-            raise ArgumentTypeError("master_weights=True needs the DeepSpeedEngine, not its module")
-        return save_plan.make_save_plan(module, collect_targets(module, live_engine=True),
-                                        torch.float32 if master_weights and dtype is None else dtype,
-                                        max_shard_size, rank, world)
-
-    def write(plan, staging: str, shared: bool, failed: str) -> tuple[int, list[str]]:
-        sources, problems = problems_of("finding the partitions to write",
-                                        lambda: writer.partition_sources(plan.targets, master_weights))
-        if not shared:
-            written, problems = writer.stream_to_rank0(plan.items, sources, staging, staging_bytes, problems)
-        elif not problems:
-            written, problems = problems_of(
-                "writing", lambda: writer.write_local(plan.items, sources, staging, staging_bytes))
-        agree(problems, failed)
-        converted_bytes, gathered = writer.write_converted(module, plan.targets, plan.files, staging, shared,
-                                                           master_weights, failed)
-        return written + converted_bytes, gathered
-
-    plan, (written, gathered), notes = write_checkpoint(
-        final, plan_save, write, lambda plan, folder: writer.write_model_configs(module, folder), shared_filesystem)
-    files = plan.files
+    sink = _ModelSink(module, engine is not None, dtype, master_weights, max_shard_size, staging_bytes)
+    report, notes = write_checkpoint(os.path.abspath(os.fspath(path)), sink, shared_filesystem, started)
     for note in notes:  # point at the caller's save() line
         warnings.warn(note, ZloadWarning, stacklevel=3)
-    return SaveReport(final, [f.name for f in files], sum(f.size for f in files), written, gathered,
-                      time.perf_counter() - started)
+    return report
 
 
-def write_checkpoint(final: str, make_plan, write, write_configs, shared_filesystem: bool | None):
-    """Write a checkpoint into the folder ``final`` as every save does, on every rank; returns the
-    plan, what ``write`` returned and the notes to warn about.
+class Sink(Protocol):
+    """What one save writes, as ``write_checkpoint`` drives it on every rank. ``write_checkpoint``
+    owns the folder (the staging folder, the agreements, the digests, the commit); a sink says what
+    the checkpoint holds, writes this rank's bytes of it and the configs that go beside it."""
 
-    ``make_plan()`` says what to write (its ``files``, and ``single``, the name of a one-file
-    checkpoint); rank 0 creates the files in a staging folder; ``write(plan, staging, shared,
-    failed)`` writes this rank's bytes there (``shared``: whether every rank sees the staging
-    folder; it agrees on its own problems, raising ``failed``); the files' digests are recorded;
-    rank 0 commits them with the configs that ``write_configs(plan, folder)`` writes. A problem on
-    any rank at any step raises the same error on every rank, and ``final`` keeps what it held.
+    def plan(self) -> save_plan.SavePlan:
+        """The checkpoint's ``files``, ``single`` (the name of a one-file checkpoint) and what this
+        rank writes; raises if the checkpoint cannot be written."""
+
+    def write(self, plan: save_plan.SavePlan, staging: str, shared: bool, failed: str) -> tuple[int, list[str]]:
+        """Write this rank's bytes into ``plan``'s files in the folder ``staging`` (``shared``:
+        whether every rank sees it), agreeing on its own problems (raising ``failed``); returns
+        (the bytes this rank wrote or sent, the tensors gathered to be written)."""
+
+    def write_configs(self, plan: save_plan.SavePlan, folder: str) -> None:
+        """Rank 0: write into ``folder`` the configs that go beside the weights."""
+
+
+@dataclass(frozen=True)
+class _ModelSink:
+    """``save``'s sink: each rank's own partitions (and its share of the other tensors), written in
+    place where every rank sees the folder, else streamed to rank 0; then the tensors whose
+    transformers conversion is no byte layout, gathered and converted on one rank."""
+
+    module: torch.nn.Module
+    live_engine: bool
+    dtype: torch.dtype | str | None
+    master_weights: bool
+    max_shard_size: int | str
+    staging_bytes: int
+
+    def plan(self) -> save_plan.SavePlan:
+        if self.master_weights and not self.live_engine:
+            raise ArgumentTypeError("master_weights=True needs the DeepSpeedEngine, not its module")
+        dtype = torch.float32 if self.master_weights and self.dtype is None else _dtype(self.dtype)
+        return save_plan.make_save_plan(self.module, collect_targets(self.module, live_engine=True), dtype,
+                                        self.max_shard_size, *rank_and_world())
+
+    def write(self, plan: save_plan.SavePlan, staging: str, shared: bool, failed: str) -> tuple[int, list[str]]:
+        sources, problems = problems_of("finding the partitions to write",
+                                        lambda: writer.partition_sources(plan.targets, self.master_weights))
+        if not shared:
+            written, problems = writer.stream_to_rank0(plan.items, sources, staging, self.staging_bytes, problems)
+        elif not problems:
+            written, problems = problems_of(
+                "writing", lambda: writer.write_local(plan.items, sources, staging, self.staging_bytes))
+        agree(problems, failed)
+        converted_bytes, gathered = writer.write_converted(self.module, plan.targets, plan.files, staging, shared,
+                                                           self.master_weights, failed)
+        return written + converted_bytes, gathered
+
+    def write_configs(self, plan: save_plan.SavePlan, folder: str) -> None:
+        writer.write_model_configs(self.module, folder)
+
+
+def _dtype(dtype) -> torch.dtype | None:
+    """``save``'s ``dtype``, a ``torch.dtype`` or its name (``"bfloat16"``), as a ``torch.dtype``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(resolved, torch.dtype):
+        raise ArgumentValueError(f"dtype={brief(dtype)}: expected a torch.dtype, such as torch.bfloat16")
+    return resolved
+
+
+def write_checkpoint(final: str, sink: Sink, shared_filesystem: bool | None,
+                     started: float) -> tuple[SaveReport, list[str]]:
+    """Write ``sink``'s checkpoint into the folder ``final`` as every save does, on every rank;
+    returns this rank's report (its time counted from ``started``) and the notes to warn about.
+
+    The sink plans what to write; rank 0 creates the files in a staging folder; each rank writes
+    its bytes there (``shared``: whether every rank sees the staging folder, ``shared_filesystem``
+    or, when None, found out); the files' digests are recorded; rank 0 commits them with the
+    sink's configs. A problem on any rank at any step raises the same error on every rank, and
+    ``final`` keeps what it held.
     """
     rank, world = rank_and_world()
     refused = f"zload: cannot save to {final}; nothing was written"
     with stage(f"planning the save to {final}", "Nothing was written."):
-        plan, problems = problems_of("planning the save", make_plan)
+        plan, problems = problems_of("planning the save", sink.plan)
         agree(problems, refused)
         token = exchange(secrets.token_hex(8) if rank == 0 else None)[0]
     files = plan.files
@@ -119,13 +161,13 @@ def write_checkpoint(final: str, make_plan, write, write_configs, shared_filesys
             agree(problems, refused)
             shared = all(exchange(writer.sees(os.path.join(staging, LOCK), token))) \
                 if shared_filesystem is None else shared_filesystem
-            result = write(plan, staging, shared, failed)
+            written, gathered = sink.write(plan, staging, shared, failed)
             writer.record_digests(files, staging, world if shared else 1, failed)
         with stage(f"putting the new files in place in {final}", "Rank 0 does that alone: "
                    f"depending on how far it got, {final} holds the old or the new checkpoint, never "
                    "a mix of both; the next save into it removes what is left over."):
             _, problems = problems_of("publishing", lambda: rank == 0 and writer.publish(
-                folder, plan.single, files, partial(write_configs, plan)))
+                folder, plan.single, files, partial(sink.write_configs, plan)))
             if problems:  # rank 0's: say what the folder holds now
                 outcome = folder.abort()
                 problems = [replace(p, message=f"{p.message} ({outcome})") for p in problems]
@@ -134,4 +176,6 @@ def write_checkpoint(final: str, make_plan, write, write_configs, shared_filesys
         if rank == 0:
             folder.abort()
         raise
-    return plan, result, folder.notes if folder else []
+    report = SaveReport(path=final, files=[f.name for f in files], total_bytes=sum(f.size for f in files),
+                        bytes_written=written, gathered=gathered, seconds=time.perf_counter() - started)
+    return report, folder.notes if folder else []

@@ -17,8 +17,9 @@ import numpy
 import torch
 
 from ..checkpoint.digest import block_count, block_digests, data_digest
+from ..checkpoint.dtypes import TORCH_DTYPES
 from ..checkpoint.files import FileTable
-from ..checkpoint.index import DTYPES, TensorEntry
+from ..checkpoint.index import TensorEntry
 from ..distributed import (
     BATCH_FAILED,
     BATCH_OK,
@@ -31,7 +32,7 @@ from ..distributed import (
     rank_and_world,
     reader_count,
 )
-from ..errors import WriteError, ZloadError
+from ..errors import UnsupportedModelError, WriteError, ZloadError
 from ..integrations.deepspeed import flat_partition, full_master, gathered_parameters, local_master
 from ..integrations.peft import peft_info
 from ..integrations.transformers import revert_conversion
@@ -61,7 +62,7 @@ def _chunks(item: WriteItem, source: torch.Tensor, staging_bytes: int):
     """(byte offset, bytes) of ``item`` in pieces of at most ``staging_bytes``, cast on the way."""
     for part in item.split(staging_bytes):
         chunk = source[part.src_offset:part.src_offset + part.numel]
-        chunk = chunk.detach().to(device="cpu", dtype=getattr(torch, part.dtype)).contiguous()
+        chunk = chunk.detach().to(device="cpu", dtype=part.dtype).contiguous()
         yield part.offset, memoryview(chunk.view(torch.uint8).numpy())
 
 
@@ -145,13 +146,13 @@ def _reads_into(batch: list[tuple[int, WriteItem]], sources: list[TensorEntry],
                 buffer: torch.Tensor) -> tuple[list[ReadItem], list[torch.Tensor]]:
     """The executor's reads that put each part of ``batch`` at its offset in ``buffer``, and their
     destinations: ``buffer`` seen as each dtype written."""
-    dtypes = sorted({part.dtype for _, part in batch})
-    destinations = [buffer.view(getattr(torch, dtype)) for dtype in dtypes]
+    dtypes = sorted({part.dtype for _, part in batch}, key=str)
+    destinations = [buffer.view(dtype) for dtype in dtypes]
     reads = []
     for at, part in batch:
-        entry, size = sources[part.target], getattr(torch, part.dtype).itemsize
+        entry, size = sources[part.target], part.dtype.itemsize
         for file, offset, skip, count in entry.spans(part.src_offset, part.numel):
-            reads.append(ReadItem(file, offset, count * entry.itemsize, DTYPES[entry.dtype][0],
+            reads.append(ReadItem(file, offset, count * entry.itemsize, TORCH_DTYPES[entry.dtype],
                                   dtypes.index(part.dtype), at // size + skip, count))
     return reads, destinations
 
@@ -252,7 +253,7 @@ def write_converted(module, targets: list[Target], files: list[OutFile], folder:
                     try:
                         for name, (file, tensor, position) in placed.items():
                             if tensor.built_from == group:
-                                data = converted[name].to(getattr(torch, tensor.dtype)).contiguous()
+                                data = converted[name].to(tensor.dtype).contiguous()
                                 out.write(file, memoryview(data.view(torch.uint8).numpy()), position)
                                 written += tensor.nbytes
                     finally:
@@ -260,8 +261,8 @@ def write_converted(module, targets: list[Target], files: list[OutFile], folder:
                 except ZloadError as e:
                     problems.append(Problem.of(e))
                 except Exception as e:
-                    problems.append(Problem(ZloadError, f"converting {[targets[i].name for i in group]} "
-                                                        f"for saving failed: {type(e).__name__}: {e}"))
+                    problems.append(Problem(UnsupportedModelError, f"converting {[targets[i].name for i in group]} "
+                                                                   f"for saving failed: {type(e).__name__}: {e}"))
         agree(problems, failed)
         gathered += [targets[i].name for i in group]
     return written, gathered
