@@ -199,19 +199,22 @@ def test_conversion_slow_path_reads_on_the_node_with_the_files(tmp_path):
 
 
 def _stages_of_a_transposed_load(node_dirs, reference_folder):
-    """``_load_transposed_on_node``, recording the stages the load goes through."""
-    load = sys.modules["zload.loading.load_into"]
-    real, entered = load.stage, []
+    """``_load_transposed_on_node``, recording the stages the load goes through (the engine's update
+    is staged by the DeepSpeed integration)."""
+    modules = [sys.modules["zload.loading.load_into"], sys.modules["zload.integrations.deepspeed"]]
+    real, entered = modules[0].stage, []
 
     def recording(what, leaves):
         entered.append(what)
         return real(what, leaves)
 
-    load.stage = recording
+    for module in modules:
+        module.stage = recording
     try:
         _load_transposed_on_node(node_dirs, reference_folder)
     finally:
-        load.stage = real
+        for module in modules:
+            module.stage = real
     return entered
 
 
