@@ -6,6 +6,7 @@ venv whose python records its arguments and does nothing, so no package is insta
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,14 +21,19 @@ if [ "$1 $2" = "-m venv" ]; then
 fi
 """
 
-STEPS = ["dev: setting up .venv: about 1-2 minutes on a first run (later runs skip this until dev or "
-         "pyproject.toml change)",
+STEPS = ["dev: setting up .venv for './dev test': about 1-2 minutes on a first run (later runs skip this until "
+         "dev or pyproject.toml change)",
          "dev: creating .venv with {python}",
          "dev: upgrading pip",
          "dev: installing torch 2.13.0 (CPU)",
          "dev: installing zload with its test extras (editable)",
          "dev: building DeepSpeed's CPU shared-memory comm op",
-         "dev: .venv is ready"]
+         "dev: .venv is ready for './dev test' (took {seconds} s)"]
+
+
+def _lines(text: str) -> list[str]:
+    """stderr's lines, the seconds a setup took replaced by a placeholder."""
+    return [re.sub(r"\(took \d+ s\)", "(took {seconds} s)", line) for line in text.splitlines()]
 
 
 def test_dev_setup_names_each_step_then_stays_quiet(tmp_path):
@@ -46,7 +52,7 @@ def test_dev_setup_names_each_step_then_stays_quiet(tmp_path):
 
     first = setup()
     assert first.returncode == 0, first.stderr
-    assert first.stdout == "" and first.stderr.splitlines() == [s.format(python=python) for s in STEPS]
+    assert first.stdout == "" and _lines(first.stderr) == [s.format(python=python, seconds="{seconds}") for s in STEPS]
     assert calls.read_text().splitlines()[0] == "-m venv .venv"
     assert (work / ".venv" / ".zload-install-stamp").exists()
 
@@ -56,7 +62,7 @@ def test_dev_setup_names_each_step_then_stays_quiet(tmp_path):
 
     (work / ".venv" / ".zload-install-stamp").write_text("stale\n")
     stale = setup()
-    assert stale.stderr.splitlines() == [s.format(python=python) for s in STEPS if "creating" not in s]
+    assert _lines(stale.stderr) == [s.format(python=python, seconds="{seconds}") for s in STEPS if "creating" not in s]
 
 
 def test_dev_builds_deepspeeds_op_into_a_cache_of_its_own_venv(tmp_path):
@@ -76,3 +82,27 @@ def test_dev_builds_deepspeeds_op_into_a_cache_of_its_own_venv(tmp_path):
     assert done.returncode == 0, done.stderr
     build = [line for line in seen.read_text().splitlines() if line.startswith("-c ")]
     assert build == [f"-c {work}/.venv/torch_extensions"]
+
+
+def test_the_demo_installs_no_test_extras_and_the_tests_add_only_them(tmp_path):
+    """``./dev demo`` sets up the runtime dependencies alone; ``./dev test`` then adds the test
+    extras and nothing else; a venv set up for the tests serves the demo as it is."""
+    work = tmp_path / "repo"
+    work.mkdir()
+    for name in ("dev", "pyproject.toml"):
+        shutil.copy2(REPO / name, work / name)
+    calls = tmp_path / "calls"
+    python = tmp_path / "python3"
+    python.write_text(STUB_PYTHON.format(calls=calls))
+    python.chmod(0o755)
+
+    def setup(level: str) -> list[str]:
+        before = calls.read_text().splitlines() if calls.exists() else []
+        done = subprocess.run(["bash", str(work / "dev"), "setup", level], env={"PATH": "/usr/bin:/bin",
+                              "PYTHON": str(python)}, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return [c for c in calls.read_text().splitlines()[len(before):] if "pip install" in c]
+
+    assert setup("demo")[-1] == "-m pip install -q -e ."
+    assert setup("test") == ["-m pip install -q -e .[test]"]
+    assert setup("demo") == [] and setup("test") == []
