@@ -121,6 +121,9 @@ class CheckpointIndex:
     # SHA-256 of the index's weight map (which file holds each tensor; "" without an index): ranks
     # that lack some shards take those shards' tensors from another rank's map, so the maps must agree
     weight_map_sha256: str = ""
+    # what a DeepSpeed checkpoint's files hold beyond tensors (``native.NativeLayout``), which a
+    # resume reads its optimizer states from; None for safetensors and for an index shared by ranks
+    layout: object = field(default=None, compare=False, repr=False)
 
     def path(self, key: str) -> str:
         """Where the file ``key`` lies on this machine."""

@@ -32,6 +32,7 @@ from ..progress import progress_for
 from ..report import LoadReport, shortened
 from .agree import open_agreed
 from .execute import DEFAULT_STAGING_BYTES, execute
+from .optimizer import OptimizerPlan, plan_optimizer, restore_optimizer
 from .peers import fetch_remote
 from .plan import LoadPlan, ReadItem, make_plan, staging_problems
 from .slow_path import load_converted
@@ -96,6 +97,7 @@ class _LoadPlanner:
     strict: bool
     key_map: KeyMap | None
     staging_bytes: int
+    resumed: object = None  # the engine whose optimizer a resume restores (optimizer=True)
 
     def plan(self, shared: SharedIndex) -> LoadPlan:
         index = shared.index
@@ -107,6 +109,9 @@ class _LoadPlanner:
         if lacked:  # first: it is why they are refused, whatever else this rank finds
             plan.problems.insert(0, f"FP8 weights in files this rank lacks cannot be sent to it yet: "
                                     f"{shortened(lacked, 5)}; put the checkpoint where every node sees it")
+        if self.resumed is not None:
+            plan.optimizer = plan_optimizer(self.resumed, targets, index)
+            plan.problems += plan.optimizer.problems
         left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
         if self.strict and left:
             plan.problems.append(f"{len(left)} parameters built by zload.init (no trained values until "
@@ -203,6 +208,24 @@ class _Converted:
         return Moved(read=load_converted(self.plan, dests, self.shared))
 
 
+@dataclass(frozen=True)
+class _Optimizer:
+    """A resume's optimizer state, after the weights: each flat partition's masters and states
+    (``loading.optimizer``)."""
+
+    source: str
+    plan: OptimizerPlan
+    files: FileTable
+    staging_bytes: int
+
+    @property
+    def stage(self) -> str:
+        return f"restoring the optimizer state of {self.source}"
+
+    def deliver(self, dests: list[torch.Tensor | None]) -> Moved:
+        return Moved(read=restore_optimizer(self.plan, self.files, self.staging_bytes, self.source))
+
+
 def _byte_sources(plan: LoadPlan, shared: SharedIndex, source: str, staging_bytes: int,
                   progress: bool | None) -> list[ByteSource]:
     """Where the load's bytes come from, in the order every rank delivers them."""
@@ -211,7 +234,10 @@ def _byte_sources(plan: LoadPlan, shared: SharedIndex, source: str, staging_byte
     if shared.sharing:  # the same on every rank
         remote = [i for i in plan.items if i.file in shared.remote_files]
         sources.append(_Peers(source, shared, remote, staging_bytes))
-    return [*sources, _Converted(source, plan, shared)]
+    sources.append(_Converted(source, plan, shared))
+    if plan.optimizer is not None:
+        sources.append(_Optimizer(source, plan.optimizer, shared.index.opened, staging_bytes))
+    return sources
 
 
 _UNCHANGED = "The model was not changed."
@@ -221,7 +247,8 @@ _PARTLY = "The model is partly written: load it again before using it."
 @collector_paused()
 def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: KeyMap | None = None,
               revision: str | None = None, progress: bool | None = None,
-              staging_bytes: int = DEFAULT_STAGING_BYTES, verify: str = "sample") -> LoadReport:
+              staging_bytes: int = DEFAULT_STAGING_BYTES, verify: str = "sample",
+              optimizer: bool = False) -> LoadReport:
     """Load a safetensors checkpoint into ``model`` in place, each rank reading only its bytes.
 
     ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not) or a
@@ -243,15 +270,27 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     ``progress``, and ``path`` where nodes hold their own copies) and models built the same way;
     otherwise every rank raises ``ArgumentValueError`` or ``PlanError``. Raises ``ZloadError`` (the
     same on every rank) and leaves the model untouched when the checkpoint does not fit the model.
+    ``optimizer=True`` (``model`` a ``DeepSpeedEngine`` with a ZeRO-1/2/3 optimizer) resumes training:
+    from a DeepSpeed checkpoint saved at any world size, or a folder ``zload.save(engine, path,
+    optimizer=True)`` wrote, it also restores each parameter group's fp32 masters, optimizer states
+    (Adam's ``exp_avg``, ``exp_avg_sq``), step count and hyperparameters, the loss scaler, the
+    engine's step counters and its LR scheduler, and sets the 16-bit weights from the masters;
+    parameter groups that differ from the checkpoint's are a ``PlanError``, before anything is written.
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
-    module, engine, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify)
-    planner = _LoadPlanner(module, engine is not None, strict, key_map, staging_bytes)
+    module, engine, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify,
+                                                    optimizer)
+    planner = _LoadPlanner(module, engine is not None, strict, key_map, staging_bytes,
+                           engine if optimizer is True else None)
     with stage(f"indexing and planning the load of {path}", _UNCHANGED):
         source, shared, plan = open_agreed(path, revision, verify, arguments, planner)
-    with shared.index:
-        moved = _execute(plan, shared, engine, module, source, staging_bytes, progress)
+    try:
+        with shared.index:
+            moved = _execute(plan, shared, engine, module, source, staging_bytes, progress)
+    finally:
+        if plan.optimizer is not None:
+            plan.optimizer.close()
 
     report = LoadReport(source=source, rank=rank, world_size=world, loaded=plan.loaded, missing=plan.missing,
                         unexpected=plan.unexpected, conversions=plan.conversions, repaired_orphans=plan.orphans,
@@ -263,7 +302,7 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     return report
 
 
-def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tuple:
+def _call(model, path, strict, key_map, revision, staging_bytes, verify, optimizer) -> tuple:
     """(module, engine or None, path, ``Verify``, ``Arguments``) of a ``load_into`` call. The ranks
     compare every argument but ``progress`` (a bar on rank 0 alone) and where ``path`` leads
     (node-local copies may lie at different paths; their views are compared instead): the model and
@@ -284,6 +323,12 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tupl
         verify = Verify.of(verify, "verify")
     except ArgumentValueError as e:
         invalid = invalid or e
+    if not isinstance(optimizer, bool):
+        invalid = invalid or ArgumentTypeError(f"zload.load_into: optimizer must be True or False, got "
+                                               f"{type(optimizer).__name__}")
+    elif optimizer and module is not None and engine is None:
+        invalid = invalid or ArgumentTypeError("zload.load_into(optimizer=True) restores a DeepSpeedEngine's "
+                                               "optimizer: pass the engine, not its module")
 
     def kind(value) -> str:
         return f"a {type(value).__name__}"
@@ -297,7 +342,8 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tupl
     key_map_kind = "a callable" if callable(key_map) else {plain(k): plain(v) for k, v in key_map.items()} \
         if isinstance(key_map, Mapping) else plain(key_map)
     values = {"model": model_kind, "path": kind(path), "strict": plain(strict), "key_map": key_map_kind,
-              "revision": plain(revision), "staging_bytes": plain(staging_bytes), "verify": plain(verify)}
+              "revision": plain(revision), "staging_bytes": plain(staging_bytes), "verify": plain(verify),
+              "optimizer": plain(optimizer)}
     return module, engine, path, verify, Arguments("load_into", values, invalid)
 
 
@@ -306,7 +352,7 @@ def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, s
     """Everything that writes into the model; what it moved on this rank."""
     dests = _destinations(plan)
     moved = Moved()
-    with engine_writes(engine):
+    with engine_writes(engine, masters_written=plan.optimizer is not None):
         for byte_source in _byte_sources(plan, shared, source, staging_bytes, progress):
             with stage(byte_source.stage, _PARTLY):
                 moved += byte_source.deliver(dests)

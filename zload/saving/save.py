@@ -29,13 +29,14 @@ from ..report import SaveReport, brief
 from . import plan as save_plan
 from . import writer
 from .folder import LOCK, STAGING_PREFIX, SaveFolder
+from .optimizer import with_optimizer
 
 
 @collector_paused()
 def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          dtype: torch.dtype | str | None = None, master_weights: bool = False,
          shared_filesystem: bool | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
-         buffer_bytes: int | None = None) -> SaveReport:
+         buffer_bytes: int | None = None, optimizer: bool = False) -> SaveReport:
     """Write ``model`` (an nn.Module, ZeRO-3 or not, or a DeepSpeedEngine) to the folder ``path``.
 
     Layout as transformers writes it: ``model.safetensors``, or shards of at most
@@ -52,6 +53,10 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     already there is replaced only once every rank has succeeded, in one rename; a write that fails
     (a full disk, a spent quota) raises a ``WriteError`` naming the file on every rank.
     ``buffer_bytes`` is the former name of ``staging_bytes`` (as ``load_into`` calls it).
+    ``optimizer=True`` (``model`` a ``DeepSpeedEngine`` with a ZeRO-1/2/3 optimizer) also writes the
+    optimizer state beside the weights, each rank its own partitions (docs/optimizer-format.md):
+    ``load_into(engine, path, optimizer=True)`` resumes from it at any world size. A save without it
+    removes the optimizer state an earlier save left in ``path``.
     """
     if buffer_bytes is not None:
         warnings.warn("zload.save(buffer_bytes=...) is now staging_bytes=..., as in load_into; "
@@ -60,6 +65,8 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     started = time.perf_counter()
     module, engine = unwrap(model)
     sink = _ModelSink(module, engine is not None, dtype, master_weights, max_shard_size, staging_bytes)
+    if optimizer is not False:
+        sink = with_optimizer(sink, engine, optimizer, max_shard_size, staging_bytes)
     report, notes = write_checkpoint(os.path.abspath(os.fspath(path)), sink, shared_filesystem, started)
     for note in notes:  # point at the caller's save() line
         warnings.warn(note, ZloadWarning, stacklevel=3)
@@ -107,12 +114,7 @@ class _ModelSink:
     def write(self, plan: save_plan.SavePlan, staging: str, shared: bool, failed: str) -> tuple[int, list[str]]:
         sources, problems = problems_of("finding the partitions to write",
                                         lambda: writer.partition_sources(plan.targets, self.master_weights))
-        if not shared:
-            written, problems = writer.stream_to_rank0(plan.items, sources, staging, self.staging_bytes, problems)
-        elif not problems:
-            written, problems = problems_of(
-                "writing", lambda: writer.write_local(plan.items, sources, staging, self.staging_bytes))
-        agree(problems, failed)
+        written = writer.write_own(plan.items, sources, staging, shared, self.staging_bytes, problems, failed)
         converted_bytes, gathered = writer.write_converted(self.module, plan.targets, plan.files, staging, shared,
                                                            self.master_weights, failed)
         return written + converted_bytes, gathered
@@ -148,7 +150,7 @@ def write_checkpoint(final: str, sink: Sink, shared_filesystem: bool | None,
         plan, problems = problems_of("planning the save", sink.plan)
         agree(problems, refused)
         token = exchange(secrets.token_hex(8) if rank == 0 else None)[0]
-    files = plan.files
+    files = plan.written
     folder = SaveFolder(final, token) if rank == 0 else None
     staging = os.path.join(final, STAGING_PREFIX + token)
     as_it_was = f"{final} still holds what it held before"
@@ -167,7 +169,7 @@ def write_checkpoint(final: str, sink: Sink, shared_filesystem: bool | None,
                    f"depending on how far it got, {final} holds the old or the new checkpoint, never "
                    "a mix of both; the next save into it removes what is left over."):
             _, problems = problems_of("publishing", lambda: rank == 0 and writer.publish(
-                folder, plan.single, files, partial(sink.write_configs, plan)))
+                folder, plan.single, plan.files, partial(sink.write_configs, plan), plan.beside))
             if problems:  # rank 0's: say what the folder holds now
                 outcome = folder.abort()
                 problems = [replace(p, message=f"{p.message} ({outcome})") for p in problems]
