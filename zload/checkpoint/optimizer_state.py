@@ -143,8 +143,10 @@ def native_optimizer(layout: NativeLayout, source: str) -> tuple[OptimizerIndex 
     for f, b in zip(files, bases):
         for k in range(flats):
             entry = b["state"].get(k, {})
-            found = sorted(key for key, value in entry.items() if _is_flat_state(value)) \
-                if isinstance(entry, dict) else None
+            if not isinstance(entry, dict):
+                return None, [f"{f.opened.path}: {base_key}['state'][{k}] is {type(entry).__name__}, not the "
+                              "optimizer's state of a flat partition (a dict)"]
+            found = sorted(key for key, value in entry.items() if _is_flat_state(value))
             if keys is None:
                 keys = found
             if found != keys:

@@ -11,7 +11,7 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
@@ -98,6 +98,8 @@ class _LoadPlanner:
     key_map: KeyMap | None
     staging_bytes: int
     resumed: object = None  # the engine whose optimizer a resume restores (optimizer=True)
+    # every optimizer plan made (``open_agreed`` may plan twice): their files are closed by ``close``
+    optimizer_plans: list[OptimizerPlan] = field(default_factory=list)
 
     def plan(self, shared: SharedIndex) -> LoadPlan:
         index = shared.index
@@ -110,13 +112,20 @@ class _LoadPlanner:
             plan.problems.insert(0, f"FP8 weights in files this rank lacks cannot be sent to it yet: "
                                     f"{shortened(lacked, 5)}; put the checkpoint where every node sees it")
         if self.resumed is not None:
-            plan.optimizer = plan_optimizer(self.resumed, targets, index)
+            plan.optimizer = OptimizerPlan(engine=self.resumed)
+            self.optimizer_plans.append(plan.optimizer)
+            plan_optimizer(plan.optimizer, targets, index)
             plan.problems += plan.optimizer.problems
         left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
         if self.strict and left:
             plan.problems.append(f"{len(left)} parameters built by zload.init (no trained values until "
                                  f"loaded) would stay unwritten (strict=True): {shortened(left, 20)}")
         return plan
+
+    def close(self) -> None:
+        """Close the optimizer files the plans opened, whether the load went ahead or not."""
+        for plan in self.optimizer_plans:
+            plan.close()
 
 
 @dataclass(frozen=True)
@@ -283,14 +292,13 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
                                                     optimizer)
     planner = _LoadPlanner(module, engine is not None, strict, key_map, staging_bytes,
                            engine if optimizer is True else None)
-    with stage(f"indexing and planning the load of {path}", _UNCHANGED):
-        source, shared, plan = open_agreed(path, revision, verify, arguments, planner)
     try:
+        with stage(f"indexing and planning the load of {path}", _UNCHANGED):
+            source, shared, plan = open_agreed(path, revision, verify, arguments, planner)
         with shared.index:
             moved = _execute(plan, shared, engine, module, source, staging_bytes, progress)
     finally:
-        if plan.optimizer is not None:
-            plan.optimizer.close()
+        planner.close()
 
     report = LoadReport(source=source, rank=rank, world_size=world, loaded=plan.loaded, missing=plan.missing,
                         unexpected=plan.unexpected, conversions=plan.conversions, repaired_orphans=plan.orphans,

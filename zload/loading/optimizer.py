@@ -163,24 +163,25 @@ def _padding(flat: Flat) -> list[tuple[int, int]]:
     return gaps
 
 
-def plan_optimizer(engine, targets: list[Target], weights: CheckpointIndex) -> OptimizerPlan:
-    """This rank's plan to restore ``engine``'s optimizer from the checkpoint whose weights
-    ``weights`` indexes; never raises for a checkpoint or engine that do not fit (``problems``)."""
-    plan = OptimizerPlan(engine=engine)
+def plan_optimizer(plan: OptimizerPlan, targets: list[Target], weights: CheckpointIndex) -> None:
+    """Fill ``plan``, this rank's plan to restore its engine's optimizer from the checkpoint whose
+    weights ``weights`` indexes (made by the caller first, so that the caller closes the files it
+    opens whatever happens); never raises for a checkpoint or engine that do not fit (``problems``)."""
+    engine = plan.engine
     try:
         plan.flats, _ = optimizer_flats(engine)
         live = optimized_parameters(engine)
         live_values = hyperparameters(engine)
     except UnsupportedModelError as e:
         plan.problems.append(str(e))
-        return plan
+        return
     index, problems = _optimizer_index(weights)
     plan.problems += problems
     if index is None:
         if not problems:
             plan.problems.append(f"{weights.source} holds no optimizer state (saved without optimizer=True?); "
                                  "load the weights alone (optimizer=False) to start the optimizer afresh")
-        return plan
+        return
     plan.index = index
     tie = _tie_problem(index, weights)
     if tie:
@@ -213,7 +214,7 @@ def plan_optimizer(engine, targets: list[Target], weights: CheckpointIndex) -> O
     if lr_scheduler(engine) is not None and index.lr_scheduler_problem:
         plan.problems.append(f"the LR scheduler's state cannot be restored: {index.lr_scheduler_problem}")
     if plan.problems:
-        return plan
+        return
 
     plan.groups = [_in_engine_types(saved.hyperparameters, values) for saved, values in zip(index.groups, live_values)]
     plan.scheduler = index.lr_scheduler if lr_scheduler(engine) is not None else None
@@ -229,7 +230,6 @@ def plan_optimizer(engine, targets: list[Target], weights: CheckpointIndex) -> O
     headers = sorted(f.header_sha256 or "" for f in index.files.files.values()) if index.owns_files else []
     plan.agreed = (f"the optimizer state of {index.source}: {len(index.groups)} parameter groups, states "
                    f"{plan.keys}, files {hashlib.sha256(repr(headers).encode()).hexdigest()[:16]}")
-    return plan
 
 
 def _step(step, current):
