@@ -57,8 +57,8 @@ REFUSED = [
      'config["bf16"]["enabled"] and config["fp16"]["enabled"] are both on'),
     ({**DS_CONFIG, "weight_quantization": {"quantized_initialization": "yes"}}, zload.ArgumentTypeError,
      'config["weight_quantization"]["quantized_initialization"] is \'yes\': Input should be a valid dictionary'),
-    ({**DS_CONFIG, "train_micro_batch_size_per_gpu": "auto"}, zload.ArgumentValueError,
-     'config["train_micro_batch_size_per_gpu"] is "auto": zload does not resolve "auto" values yet'),
+    ({**DS_CONFIG, "sequence_parallel_size": "auto"}, zload.ArgumentValueError,
+     'config["sequence_parallel_size"] is "auto", which transformers\' Trainer does not fill in: give a number'),
     ({**DS_CONFIG, "train_batch_size": "16"}, zload.ArgumentTypeError,
      'config["train_batch_size"] is \'16\' (a str): DeepSpeed needs a number'),
     ({**DS_CONFIG, "train_micro_batch_size_per_gpu": 0}, zload.ArgumentValueError,
@@ -146,8 +146,8 @@ def test_bfloat16_is_read_under_its_older_name_where_deepspeed_reads_it():
                    'ZeRO-3 models'),
     ({}, 'ds_config["zero_optimization"]["stage"] is not set, which asks for ZeRO stage 0'),
     (True, 'ds_config["zero_optimization"] is true, DeepSpeed\'s old form, which asks for ZeRO stage 1'),
-    ({"stage": "auto"}, 'ds_config["zero_optimization"]["stage"] is "auto": zload does not resolve "auto" values '
-                        'yet (transformers\' Trainer fills them in from its arguments); set it to 3'),
+    ({"stage": "auto"}, 'ds_config["zero_optimization"]["stage"] is "auto", which transformers\' Trainer does not '
+                        'fill in either (DeepSpeed reads it as stage 0): set it to 3'),
 ])
 def test_zero3_asks_for_stage_3(zero, says):
     with pytest.raises(zload.ArgumentValueError) as info:

@@ -50,8 +50,8 @@ def _compare_with_transformers(source, folder, cls_name, ds_config, dtype, expec
     """``zload.from_pretrained(source)`` against ``LlamaForCausalLM.from_pretrained(folder)``."""
     import transformers
 
-    model, report = zload.from_pretrained(getattr(transformers, cls_name), source, ds_config, dtype=dtype,
-                                          output_loading_info=True)
+    model, info = zload.from_pretrained(getattr(transformers, cls_name), source, ds_config, dtype=dtype,
+                                        output_loading_info=True)
     reference = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=expected)
     ours = gathered(dict(model.named_parameters(remove_duplicate=False)))
     theirs = dict(reference.named_parameters(remove_duplicate=False))
@@ -62,7 +62,7 @@ def _compare_with_transformers(source, folder, cls_name, ds_config, dtype, expec
         assert_bit_equal(buffer, expected_buffer, name)
     assert all(hasattr(p, "ds_id") for p in model.parameters())
     return Built({str(p.dtype) for p in model.parameters()}, model.training,
-                 model.generation_config.temperature, len(report.loaded))
+                 model.generation_config.temperature, len(info.report.loaded))
 
 
 def _all_cases(folder, cases=CASES) -> list[Built]:

@@ -132,7 +132,8 @@ def _refusals_of(configs, kwargs) -> list[Refused | None]:
 
 def test_a_bad_config_is_refused_naming_the_key_before_deepspeed_reads_it(tmp_path):
     """Wrong section types, a missing or garbled JSON file, a config of no config's type, weight
-    quantization and "auto" batch sizes; each refused with the key and file at fault."""
+    quantization and an "auto" the Trainer does not fill in; each refused with the key and file at
+    fault."""
     bad = bad_ds_configs(tmp_path, "config")
     for refusals in run_world(2, _refusals_of, [case.config for case in bad], {}):
         for case, refused in zip(bad, refusals, strict=True):

@@ -63,8 +63,8 @@ def bad_ds_configs(folder, name: str) -> list[BadConfig]:
                   f"{name}[\"zero_optimization\"][\"zero_quantized_nontrainable_weights\"] (in {quantized})", quantized),
         BadConfig({**DS_CONFIG, "weight_quantization": quantized_init}, "ArgumentValueError",
                   f"{name}[\"weight_quantization\"][\"quantized_initialization\"]", None),
-        BadConfig({**DS_CONFIG, "train_micro_batch_size_per_gpu": "auto"}, "ArgumentValueError",
-                  f"{name}[\"train_micro_batch_size_per_gpu\"] is \"auto\": zload does not resolve", None),
+        BadConfig({**DS_CONFIG, "sequence_parallel_size": "auto"}, "ArgumentValueError",
+                  f"{name}[\"sequence_parallel_size\"] is \"auto\", which transformers' Trainer does not fill", None),
     ]
 
 
