@@ -89,10 +89,7 @@ def from_pretrained(model_class, path_or_repo_id: str | os.PathLike, ds_config, 
     def read_config_and_resolve():
         config = read_config()
         parameter_dtype = _parameter_dtype(dtype, checked, config)
-        hint = (f"the checkpoint's config ({type(config).__name__}) has no hidden_size, hidden_sizes nor "
-                f"text_config.hidden_size")
-        return config, parameter_dtype, resolve_auto(checked, dtype=parameter_dtype,
-                                                     hidden_size=hidden_size_of(config), hidden_size_hint=hint)
+        return config, parameter_dtype, resolve_auto(checked, dtype=parameter_dtype, hidden_size=hidden_size_of(config))
 
     read, problems = problems_of(f"reading the config of {path}", read_config_and_resolve)
     agree(problems, f"zload: cannot build a model from {path}")

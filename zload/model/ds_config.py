@@ -139,7 +139,7 @@ def read_ds_config(ds_config, name: str, *, zero3: bool = False) -> DsConfig:
     return DsConfig(ds_config, path, name, int(zero.stage), precision, dtype, quantized)
 
 
-def resolve_auto(config: DsConfig, *, dtype, hidden_size, hidden_size_hint: str) -> DsConfig:
+def resolve_auto(config: DsConfig, *, dtype, hidden_size) -> DsConfig:
     """``config`` with the "auto" values that building under zero.Init reads filled in as
     transformers' Trainer fills them (the module docstring says why):
 
@@ -150,9 +150,9 @@ def resolve_auto(config: DsConfig, *, dtype, hidden_size, hidden_size_hint: str)
       checks); where neither ``train_batch_size`` nor the micro batch is left, the micro batch is
       1 (building reads no batch size, but DeepSpeed asks for one);
     - ``reduce_bucket_size`` (h**2), ``stage3_prefetch_bucket_size`` (0.9 h**2) and
-      ``stage3_param_persistence_threshold`` (10 h) from ``hidden_size`` h. Without one, an
-      "auto" among them is an ``ArgumentValueError`` naming the keys and saying what to pass
-      (``hidden_size_hint``).
+      ``stage3_param_persistence_threshold`` (10 h) from ``hidden_size`` h. Without one they are
+      left out, so DeepSpeed's defaults apply while building: ``zero.Init`` reads none of them (the
+      engine reads them, from the config the user gives ``deepspeed.initialize``).
 
     The values passed are not changed: the result holds copies."""
     is_int = isinstance(hidden_size, numbers.Integral) and not isinstance(hidden_size, bool)
@@ -160,7 +160,7 @@ def resolve_auto(config: DsConfig, *, dtype, hidden_size, hidden_size_hint: str)
         raise (ArgumentValueError if is_int else ArgumentTypeError)(
             f"hidden_size={brief(hidden_size, 80)}: expected the model's hidden size, an int above 0 (its config's "
             f"hidden_size)")
-    values, checker = dict(config.values), _Checker(config.values, config.name, config.path)
+    values = dict(config.values)
     wanted = None if dtype is None else str(dtype).removeprefix("torch.")
     for section, key, name in (("bf16", _bf16_key(values), "bfloat16"), ("fp16", "fp16", "float16")):
         if _is_auto(config.precision[section].get("enabled")):
@@ -172,14 +172,10 @@ def resolve_auto(config: DsConfig, *, dtype, hidden_size, hidden_size_hint: str)
         values["train_micro_batch_size_per_gpu"] = 1
     zero = values.get("zero_optimization")
     auto = [key for key in _FROM_HIDDEN_SIZE if isinstance(zero, dict) and _is_auto(zero.get(key))]
-    if auto and hidden_size is None:
-        keys = [checker.key("zero_optimization", key) for key in auto]
-        raise checker.value_error(
-            f"{' and '.join(keys)} {'is' if len(keys) == 1 else 'are'} \"auto\": transformers' Trainer sets "
-            f"{'it' if len(keys) == 1 else 'them'} from the model's hidden size, and {hidden_size_hint}; or give "
-            f"{'a number' if len(keys) == 1 else 'numbers'}")
     if auto:
-        values["zero_optimization"] = {**zero, **{key: _FROM_HIDDEN_SIZE[key](hidden_size) for key in auto}}
+        kept = {key: value for key, value in zero.items() if key not in auto}
+        values["zero_optimization"] = kept if hidden_size is None else {
+            **zero, **{key: _FROM_HIDDEN_SIZE[key](hidden_size) for key in auto}}
     precision, enabled = _Checker(values, config.name, config.path).precision()
     return replace(config, values=values, precision=precision, dtype=enabled)
 

@@ -307,8 +307,7 @@ def init(config=None, *, dtype: torch.dtype | None = None, hidden_size: int | No
     """
     global _active
     checked = None if config is None else resolve_auto(
-        read_ds_config(config, "config"), dtype=dtype, hidden_size=hidden_size,
-        hidden_size_hint="zload.init knows it only from hidden_size= (pass the model config's hidden_size)")
+        read_ds_config(config, "config"), dtype=dtype, hidden_size=hidden_size)
     config = None if checked is None else checked.values  # read once: DeepSpeed is given what was checked
     if _active or not enabled:  # zero.Init nests the same way: the outermost one decides
         with make_zero_init(config, dtype, enabled=enabled, **zero_init_kwargs):
