@@ -302,8 +302,8 @@ def init(config=None, *, dtype: torch.dtype | None = None, hidden_size: int | No
     quantization refused, before DeepSpeed reads either. Its "auto" values are filled in as
     transformers' Trainer fills them (``ds_config.resolve_auto``): ``"enabled": "auto"`` from
     ``dtype``, the batch sizes with what building needs, and the ZeRO bucket sizes and persistence
-    threshold from ``hidden_size``, the model config's (``hidden_size=config.hidden_size``),
-    without which those are refused.
+    threshold from ``hidden_size``, the model config's (``hidden_size=config.hidden_size``);
+    without it those are left out (``zero.Init`` reads none of them; the engine does).
     """
     global _active
     checked = None if config is None else resolve_auto(
