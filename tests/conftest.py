@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tests.harness import close_worlds, reset_process_state
+from tests.support.harness import close_worlds, reset_process_state
 
 # Rank processes inherit this; DeepSpeed's CPU accelerator is chosen without probing for GPUs.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -34,7 +34,7 @@ def native_checkpoint(tmp_path_factory):
     costs a training step in a world of ranks, and several test files read the same cases."""
     import inspect
 
-    from tests.native_checkpoints import make_native_checkpoint
+    from tests.support.native_checkpoints import make_native_checkpoint
 
     signature, cases = inspect.signature(make_native_checkpoint), {}
 

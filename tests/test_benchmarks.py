@@ -25,9 +25,9 @@ from benchmarks.load.report import write_outputs
 from benchmarks.load.targets import evaluate_targets
 from zload.kernels.torch_scatter import scatter_cast_torch
 
-from tests.harness import exit_aborting_hook
+from tests.support import REPO
+from tests.support.harness import exit_aborting_hook
 
-REPO = Path(__file__).resolve().parent.parent
 SIZE = "20MB"
 
 

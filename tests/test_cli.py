@@ -21,9 +21,8 @@ import zload
 
 from zload.cli import human_bytes, main
 
-from tests.checkpoints import save_sharded
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
+from tests.support.checkpoints import save_sharded
 
 
 def make_state() -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from torch import nn
 import zload
 from zload.collector import collector_paused
 
-from tests.harness import run_world
+from tests.support.harness import run_world
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_load_into_runs_with_the_collector_paused(tmp_path, collector_enabled):
 
 
 def _collector_while_building():
-    from tests.zero3 import DS_CONFIG
+    from tests.support.zero3 import DS_CONFIG
 
     seen = []
 

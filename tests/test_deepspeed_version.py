@@ -11,9 +11,9 @@ import pytest
 from safetensors.torch import save_file
 
 import zload
-from tests import models
-from tests.harness import run_world
-from tests.zero3 import DS_CONFIG, build_zero, check_against, load_expected
+from tests.support import models
+from tests.support.harness import run_world
+from tests.support.zero3 import DS_CONFIG, build_zero, check_against, load_expected
 from zload.errors import UnsupportedEnvironmentError, ZloadWarning
 from zload.integrations import deepspeed as integration
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
 
 STUB_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "{calls}"

@@ -12,8 +12,8 @@ import pytest
 import zload
 from zload.model.ds_config import read_ds_config
 
-from tests.harness import run_world
-from tests.zero3 import DS_CONFIG
+from tests.support.harness import run_world
+from tests.support.zero3 import DS_CONFIG
 
 ZERO3 = DS_CONFIG["zero_optimization"]
 

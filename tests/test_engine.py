@@ -11,9 +11,9 @@ from torch import nn
 
 import zload
 
-from tests import models
-from tests.harness import run_world
-from tests.zero3 import check_against, load_expected
+from tests.support import models
+from tests.support.harness import run_world
+from tests.support.zero3 import check_against, load_expected
 
 
 class MLP(nn.Module):

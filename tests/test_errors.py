@@ -16,10 +16,10 @@ from safetensors.torch import save_file
 import zload
 from zload.distributed import Problem, problems_of, raise_for
 
-from tests import models
-from tests.checkpoints import save_sharded
-from tests.harness import run_world
-from tests.zero3 import DS_CONFIG, build_zero, refusal
+from tests.support import models
+from tests.support.checkpoints import save_sharded
+from tests.support.harness import run_world
+from tests.support.zero3 import DS_CONFIG, build_zero, refusal
 
 SHARD = "model-00001-of-00002.safetensors"
 

@@ -7,15 +7,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from tests.support import REPO
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+EXAMPLES = REPO / "examples"
 
 
 @pytest.mark.parametrize("script,success", [

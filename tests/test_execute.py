@@ -22,7 +22,7 @@ from zload.checkpoint.dtypes import TORCH_DTYPES
 from zload.kernels import Segment, scatter_cast
 from zload.loading.plan import ReadItem, StagingLayout
 
-from tests.checkpoints import save_sharded
+from tests.support.checkpoints import save_sharded
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DST_DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -19,7 +19,7 @@ from zload.checkpoint.quantized import Quantization, read_quantization
 from zload.model.targets import FULL, PARTITION, Target
 from zload.checkpoint.partition import Partition
 
-from tests.fp8_checkpoints import BAD_CONFIGS, dequantize, quantize
+from tests.support.fp8_checkpoints import BAD_CONFIGS, dequantize, quantize
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in the Triton interpreter: NaN, inf

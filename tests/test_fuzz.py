@@ -24,10 +24,10 @@ from safetensors.torch import save_file
 import zload
 from zload.loading.execute import read_tensor
 
-from tests import models
-from tests.checkpoints import save_sharded
-from tests.harness import run_world
-from tests.zero3 import assert_unchanged, build_zero, check_against, snapshot
+from tests.support import models
+from tests.support.checkpoints import save_sharded
+from tests.support.harness import run_world
+from tests.support.zero3 import assert_unchanged, build_zero, check_against, snapshot
 
 CASES = 400
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from zload import kernels
 from zload.integrations import transformers_registry
 
-from tests.harness import run_world
+from tests.support.harness import run_world
 
 LEFTOVER = "RuntimeError: left by an earlier test"
 

@@ -20,7 +20,7 @@ import zload
 from zload import CheckpointError, open_checkpoint
 from zload.cli import main as cli
 
-from tests.checkpoints import save_sharded
+from tests.support.checkpoints import save_sharded
 
 
 @contextlib.contextmanager

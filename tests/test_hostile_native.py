@@ -24,9 +24,9 @@ import torch.distributed as dist
 import zload
 from zload.cli import main as cli
 
-from tests.harness import run_world
-from tests.models import tiny_llama_config
-from tests.zero3 import assert_bit_equal, assert_unchanged, build_zero, full_state, snapshot
+from tests.support.harness import run_world
+from tests.support.models import tiny_llama_config
+from tests.support.zero3 import assert_bit_equal, assert_unchanged, build_zero, full_state, snapshot
 
 transformers = pytest.importorskip("transformers")
 
@@ -706,7 +706,7 @@ GENUINE_STEPS = {
 def test_genuine_saves_whose_step_counts_differ_load(native_checkpoint, name):
     """The control for the checks above (every other kind of save: tests/test_native_load.py):
     what DeepSpeed writes loads, bit for bit as its own reader rebuilds it."""
-    from tests.native_checkpoints import deepspeed_reference
+    from tests.support.native_checkpoints import deepspeed_reference
 
     case = native_checkpoint(**GENUINE_STEPS[name])
     loaded(case.folder, deepspeed_reference(case.folder))

@@ -22,8 +22,9 @@ from safetensors.torch import save_file
 import zload
 from zload.checkpoint.hub import ALLOW_PATTERNS, download
 
-from tests.checkpoints import save_sharded
-from tests.harness import run_world
+from tests import support
+from tests.support.checkpoints import save_sharded
+from tests.support.harness import run_world
 
 REPO = "some-org/tiny-model"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -205,7 +206,7 @@ def test_unreachable_hub_names_both_readings(cache, monkeypatch):
 def test_the_command_line_names_both_readings_too(tmp_path, path, both):
     """``zload inspect`` as a user runs it, with HF_HUB_OFFLINE=1 and an empty HF_HOME."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
-           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+           "PYTHONPATH": str(support.REPO)}
     env.pop("HF_HUB_CACHE", None)
     done = subprocess.run([sys.executable, "-m", "zload", "inspect", path], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -296,7 +297,7 @@ class Tiny(torch.nn.Module):
 
 
 def _load_repo(cache):
-    from tests.zero3 import build_zero, check_against
+    from tests.support.zero3 import build_zero, check_against
 
     with hub_cache(cache):
         model = build_zero(Tiny)

@@ -18,7 +18,7 @@ import zload
 from zload import CheckpointError, open_checkpoint
 from zload.checkpoint.index import DTYPES, MAX_HEADER_BYTES, read_header
 
-from tests.checkpoints import save_sharded
+from tests.support.checkpoints import save_sharded
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:

@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 
 import zload
 
-from tests import models
-from tests.harness import run_world
-from tests.zero3 import (
+from tests.support import models
+from tests.support.harness import run_world
+from tests.support.zero3 import (
     DS_CONFIG, Refused, bad_ds_configs, check_against, dtype_config, load_expected, load_recording_warnings,
     refusal,
 )

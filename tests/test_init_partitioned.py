@@ -23,9 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import zload
 from zload.model import init as init_module
 
-from tests import models
-from tests.harness import run_world
-from tests.zero3 import assert_bit_equal, check_against, dtype_config, gathered, load_expected
+from tests.support import models
+from tests.support.harness import run_world
+from tests.support.zero3 import assert_bit_equal, check_against, dtype_config, gathered, load_expected
 
 
 class Wide(nn.Module):
@@ -543,7 +543,7 @@ print("built")
 def test_meta_operations_work_in_a_process_that_never_imported_dynamo():
     """A meta operation imports torch._dynamo on first use, which fails under zero.Init's
     Tensor.__new__ (also when zload.init is opened inside zero.Init)."""
-    from tests.harness import free_port
+    from tests.support.harness import free_port
 
     done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(free_port())], capture_output=True,
                           text=True, timeout=300)

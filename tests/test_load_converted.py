@@ -13,9 +13,9 @@ import torch
 
 import zload
 
-from tests.harness import run_world
-from tests.models import tiny_llama_config
-from tests.zero3 import build_zero, check_against, refused_load
+from tests.support.harness import run_world
+from tests.support.models import tiny_llama_config
+from tests.support.zero3 import build_zero, check_against, refused_load
 
 transformers = pytest.importorskip("transformers")
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping  # noqa: E402

@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 
 import zload
 
-from tests.fp8_checkpoints import BAD_CONFIGS, write_fp8, write_reference
-from tests.harness import run_world
-from tests.models import tiny_llama_config
-from tests.zero3 import assert_unchanged, build_zero, check_against, snapshot
+from tests.support.fp8_checkpoints import BAD_CONFIGS, write_fp8, write_reference
+from tests.support.harness import run_world
+from tests.support.models import tiny_llama_config
+from tests.support.zero3 import assert_unchanged, build_zero, check_against, snapshot
 
 transformers = pytest.importorskip("transformers")
 

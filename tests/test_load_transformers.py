@@ -9,8 +9,8 @@ import torch
 
 import zload
 
-from tests.harness import run_world
-from tests.zero3 import build_zero, check_against
+from tests.support.harness import run_world
+from tests.support.zero3 import build_zero, check_against
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,9 +11,9 @@ from safetensors.torch import save_file
 
 import zload
 
-from tests import models
-from tests.harness import run_world
-from tests.zero3 import build_zero, check_against, load_expected, load_recording_warnings
+from tests.support import models
+from tests.support.harness import run_world
+from tests.support.zero3 import build_zero, check_against, load_expected, load_recording_warnings
 
 WORLD_SIZES = [1, 2, 3, 4]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

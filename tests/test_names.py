@@ -13,9 +13,9 @@ from zload.integrations.peft import peft_role
 from zload.model.names import align_prefix, apply_key_map, match
 from zload.model.targets import FULL, Target, collect_targets
 
-from tests import models
-from tests.harness import run_world
-from tests.zero3 import build_zero, check_against
+from tests.support import models
+from tests.support.harness import run_world
+from tests.support.zero3 import build_zero, check_against
 
 
 def test_key_map_regexes_apply_in_order():

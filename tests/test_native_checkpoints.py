@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.native_checkpoints import DTYPES, NativeCase, deepspeed_reference
-from tests.zero3 import assert_bit_equal
+from tests.support.native_checkpoints import DTYPES, NativeCase, deepspeed_reference
+from tests.support.zero3 import assert_bit_equal
 
 pytest.importorskip("transformers")
 

@@ -16,12 +16,12 @@ from safetensors.torch import save_file
 
 import zload
 
-from tests import models
-from tests.checkpoints import save_sharded
-from tests.harness import free_port, run_world
-from tests.zero3 import build_zero, check_against
+from tests.support import REPO, SUPPORT, models
+from tests.support.checkpoints import save_sharded
+from tests.support.harness import free_port, run_world
+from tests.support.zero3 import build_zero, check_against
 
-NODE_SCRIPT = Path(__file__).with_name("node_local_rank.py")
+NODE_SCRIPT = SUPPORT / "node_local_rank.py"
 
 
 def _load_on_node(node_dirs, reference, staging_bytes):
@@ -153,7 +153,7 @@ def test_two_torchrun_nodes(tmp_path):
     agents = []
     for node in (0, 1):
         env = dict(os.environ, NODE_DIR=str(tmp_path / f"node{node}"), RESULTS=str(out),
-                   REFERENCE=str(reference), PYTHONPATH=str(Path(__file__).parent.parent))
+                   REFERENCE=str(reference), PYTHONPATH=str(REPO))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
                str(NODE_SCRIPT)]

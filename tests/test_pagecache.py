@@ -447,7 +447,7 @@ def _cold_load_with_one_reader(path):
     partitions are right, its pulls, and the (offset, length) of what its data sample brought into
     the page cache and forgot."""
     import zload.checkpoint.views as checkpoint_module
-    from tests.zero3 import build_zero, check_against, load_expected
+    from tests.support.zero3 import build_zero, check_against, load_expected
 
     model = build_zero(TwoBigTensors)
     pulled, forgotten = [], []
@@ -470,7 +470,7 @@ def test_a_cold_zero3_load_is_pulled_and_bit_exact_at_every_rank(tmp_path, world
     reads, the ranks forget the sampled windows they brought in (all of them, between
     them), and the partitions equal the checkpoint's bytes, at a world size that divides the
     tensors and one that does not."""
-    from tests.harness import run_world
+    from tests.support.harness import run_world
 
     path = tmp_path / "model.safetensors"
     save_file({"a": torch.randn(1023, 1025), "b": torch.randn(1_000_003)}, str(path))

@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 
 import zload
 
-from tests.harness import run_world
-from tests.models import tiny_llama_config
-from tests.zero3 import assert_bit_equal, build_zero, check_against, gathered
+from tests.support.harness import run_world
+from tests.support.models import tiny_llama_config
+from tests.support.zero3 import assert_bit_equal, build_zero, check_against, gathered
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import huggingface_hub.utils
 import pytest
@@ -18,8 +17,9 @@ import tqdm
 
 from zload.progress import DELAY_S, LOG_INTERVAL_S, TTY_INTERVAL_S, Progress, progress_for
 
+from tests.support import REPO
+
 GB = 10**9
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Clock:
@@ -90,7 +90,7 @@ def test_HF_HUB_DISABLE_PROGRESS_BARS_silences_it():
     code = ("import sys; from zload.progress import progress_for; "
             "bar = progress_for(4 * 10**9, rank=0, enabled=True, stream=sys.stderr); "
             "print(type(bar).__name__)")
-    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr

@@ -12,13 +12,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-from tests.harness import exit_aborting_hook
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
+from tests.support.harness import exit_aborting_hook
 
 
 def python_snippets(markdown: str) -> list[str]:

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 import zload
 
-from tests import models
-from tests.harness import run_world
-from tests.zero3 import build_zero, full_state
+from tests.support import models
+from tests.support.harness import run_world
+from tests.support.zero3 import build_zero, full_state
 
 
 def _save_and_report(load_path, out, max_shard_size, shared):

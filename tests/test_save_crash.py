@@ -32,10 +32,9 @@ from safetensors.torch import load_file, save_file
 
 import zload
 
-from tests import models
+from tests.support import REPO, SUPPORT, models
 
-RANK_SCRIPT = Path(__file__).with_name("save_crash_rank.py")
-REPO = Path(__file__).parent.parent
+RANK_SCRIPT = SUPPORT / "save_crash_rank.py"
 JOB_TIMEOUT = 120
 MAX_SHARD = 200  # bytes: Awkward saves as several shards
 # What a training output folder holds besides the weights; zload must never touch it.

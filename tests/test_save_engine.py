@@ -22,10 +22,10 @@ from safetensors import safe_open
 import zload
 from zload.saving.plan import parse_size
 
-from tests.checkpoints import metadata_with_digest, read_all
-from tests.harness import run_world
-from tests.models import tiny_llama_config
-from tests.zero3 import assert_bit_equal, check_against, full_state, randomize
+from tests.support.checkpoints import metadata_with_digest, read_all
+from tests.support.harness import run_world
+from tests.support.models import tiny_llama_config
+from tests.support.zero3 import assert_bit_equal, check_against, full_state, randomize
 
 transformers = pytest.importorskip("transformers")
 from tests.test_load_converted import MODELS, _build_nested_zero3
@@ -45,7 +45,6 @@ KINDS = {
 
 # ---------------------------------------------------------------------------------------------
 # helpers (both sides)
-
 
 
 def _check_layout(folder, max_bytes: int) -> list[str]:
@@ -403,7 +402,7 @@ def test_parse_max_shard_size():
 def test_dtype_leaves_integer_buffers_and_int_sizes_work(tmp_path):
     """In this process (no torch.distributed): ``dtype`` casts floating tensors only; an int
     ``max_shard_size`` is bytes; ``master_weights`` needs an engine."""
-    from tests import models
+    from tests.support import models
 
     torch.manual_seed(0)
     model = models.Awkward()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "zload"
+from tests.support import REPO
+
+PACKAGE = REPO / "zload"
 
 VENDORED_USE = r"""
 import sys, importlib.abc

@@ -16,8 +16,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.environ["PYTHONPATH"])
 
 import zload  # noqa: E402
-from tests import models  # noqa: E402
-from tests.zero3 import build_zero, check_against  # noqa: E402
+from tests.support import models  # noqa: E402
+from tests.support.zero3 import build_zero, check_against  # noqa: E402
 
 
 def main() -> int:

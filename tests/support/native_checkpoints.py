@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tests.harness import run_world
-from tests.models import tiny_llama_config
-from tests.zero3 import full_state, randomize
+from tests.support.harness import run_world
+from tests.support.models import tiny_llama_config
+from tests.support.zero3 import full_state, randomize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LEARNING_RATE = 1e-2
