@@ -15,7 +15,7 @@ import zload
 from tests.support import models
 from tests.support.harness import run_world
 from tests.support.zero3 import DS_CONFIG, Refused, assert_bit_equal, bad_ds_configs, dtype_config, gathered, refusal
-from tests.test_hub import hub_cache, populate
+from tests.unit.test_hub import hub_cache, populate
 
 pytest.importorskip("transformers")
 

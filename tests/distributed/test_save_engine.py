@@ -28,7 +28,7 @@ from tests.support.models import tiny_llama_config
 from tests.support.zero3 import assert_bit_equal, check_against, full_state, randomize
 
 transformers = pytest.importorskip("transformers")
-from tests.test_load_converted import MODELS, _build_nested_zero3
+from tests.distributed.test_load_converted import MODELS, _build_nested_zero3
 
 SHARD = "20KB"
 ENGINE_CONFIG = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},

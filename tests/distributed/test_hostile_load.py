@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 
 import zload
 
+from tests.distributed.test_bad_inputs import _load_expecting_error, load_on_nodes
 from tests.support import models
 from tests.support.checkpoints import save_sharded
 from tests.support.harness import run_world, run_world_where_ranks_die
 from tests.support.zero3 import assert_unchanged, build_zero, check_against, snapshot
-from tests.test_bad_inputs import _load_expecting_error, load_on_nodes
 
 SHARD = "model-00001-of-00002.safetensors"
 

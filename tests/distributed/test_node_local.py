@@ -169,7 +169,7 @@ def test_two_torchrun_nodes(tmp_path):
 
 
 def _load_transposed_on_node(node_dirs, reference_folder):
-    from tests.test_load_converted import MODELS
+    from tests.distributed.test_load_converted import MODELS
 
     cls, make_config = MODELS["transposed_llama"]
     reference = cls.from_pretrained(reference_folder).state_dict()
@@ -187,7 +187,7 @@ def _load_transposed_on_node(node_dirs, reference_folder):
 def test_conversion_slow_path_reads_on_the_node_with_the_files(tmp_path):
     """The rank that converts a transposed tensor must be one that can read it: here only rank 0."""
     pytest.importorskip("transformers")
-    from tests.test_load_converted import MODELS
+    from tests.distributed.test_load_converted import MODELS
 
     cls, make_config = MODELS["transposed_llama"]
     torch.manual_seed(34)
@@ -223,7 +223,7 @@ def test_each_byte_source_is_delivered_in_a_stage_of_its_own_in_one_order(tmp_pa
     conversions: each in its own stage (which a peer lost meanwhile names), then the finishing
     touches and the engine's update, in the same order on every rank."""
     pytest.importorskip("transformers")
-    from tests.test_load_converted import MODELS
+    from tests.distributed.test_load_converted import MODELS
 
     cls, make_config = MODELS["transposed_llama"]
     torch.manual_seed(35)

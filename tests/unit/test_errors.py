@@ -258,7 +258,7 @@ def _from_pretrained_with_own_config(folder, configs):
 
 def test_a_ds_config_only_rank_1_cannot_read_is_the_same_error_on_every_rank(tmp_path):
     pytest.importorskip("transformers")
-    from tests.test_from_pretrained import _save_llama
+    from tests.distributed.test_from_pretrained import _save_llama
 
     _save_llama(tmp_path / "llama")
     readable, missing = tmp_path / "node0" / "ds.json", tmp_path / "node1" / "ds.json"

@@ -26,14 +26,14 @@ import zload
 from zload.saving.convert import byte_share
 from zload.saving.plan import OutTensor, layout
 
+from tests.distributed.test_native_checkpoints import CASES
+from tests.distributed.test_save import fill_the_disk
 from tests.support import REPO
 from tests.support.checkpoints import read_all
 from tests.support.harness import exit_aborting_hook, run_world
 from tests.support.models import tiny_llama_config
 from tests.support.native_checkpoints import NativeCase, deepspeed_reference, zload_reference
 from tests.support.zero3 import assert_bit_equal
-from tests.test_native_checkpoints import CASES
-from tests.test_save import fill_the_disk
 
 transformers = pytest.importorskip("transformers")
 

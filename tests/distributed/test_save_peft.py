@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 
 import zload
 
+from tests.distributed.test_peft import _build, _file_name, _logits, _lora_config, _lora_params
 from tests.support.checkpoints import metadata_with_digest
 from tests.support.harness import run_world
 from tests.support.models import tiny_llama_config
 from tests.support.zero3 import assert_bit_equal, gathered
-from tests.test_peft import _build, _file_name, _logits, _lora_config, _lora_params
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

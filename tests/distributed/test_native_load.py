@@ -15,10 +15,10 @@ import torch
 
 import zload
 
+from tests.distributed.test_native_checkpoints import CASES
 from tests.support.harness import run_world
 from tests.support.native_checkpoints import MODELS, zload_reference
 from tests.support.zero3 import assert_bit_equal, build_zero, full_state
-from tests.test_native_checkpoints import CASES
 
 pytest.importorskip("transformers")
 

@@ -48,7 +48,7 @@ class SavedModel(NamedTuple):
 
 
 def _save_transposed(out, kind):
-    from tests.test_load_converted import MODELS
+    from tests.distributed.test_load_converted import MODELS
 
     cls, make_config = MODELS[kind]
     torch.manual_seed(3)
@@ -64,7 +64,7 @@ def _save_transposed(out, kind):
 def test_save_gathers_only_tensors_whose_conversion_is_no_layout(tmp_path, kind):
     """A checkpoint stores up_proj transposed (or gate and up fused and transposed): only those
     parameters are gathered, and transformers loads the folder back exactly."""
-    from tests.test_load_converted import MODELS, SLOW_PATH
+    from tests.distributed.test_load_converted import MODELS, SLOW_PATH
 
     saved = run_world(3, _save_transposed, str(tmp_path / "out"), kind)[0]
     assert saved.report.gathered == SLOW_PATH[kind]
