@@ -202,18 +202,6 @@ def test_strict_load_only_warns_about_unexpected_tensors(tmp_path):
         assert any("extra.weight" in m for m in load.messages)
 
 
-def test_load_warnings_point_at_the_callers_line(tmp_path):
-    import warnings
-
-    save_file({"weight": torch.ones(2, 3), "bias": torch.zeros(2), "extra": torch.ones(1)},
-              str(tmp_path / "model.safetensors"))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        zload.load_into(torch.nn.Linear(3, 2), tmp_path)
-    (warning,) = [w for w in caught if issubclass(w.category, zload.ZloadWarning)]
-    assert "extra" in str(warning.message) and warning.filename == __file__
-
-
 # --------------------------------------------------------------------------------------------
 # Ranks that call load_into differently: a collective one rank makes and another never reaches
 # would leave it waiting. Every rank raises the same error before anything is written.
@@ -288,21 +276,6 @@ def test_a_model_only_one_rank_refuses_fails_every_rank(tmp_path):
     folder = save_sharded(models.state_with_seed(models.Awkward, seed=13), tmp_path / "ckpt", shards=2)
     kind, message = _same(run_world(2, _load_passing_a_list_on_rank_1, folder, timeout=60))
     assert kind == "ArgumentValueError" and "model: 'an nn.Module' on rank 0, 'a list' on rank 1" in message
-
-
-def test_arguments_that_differ_are_named_with_what_each_rank_passed():
-    from zload.distributed import Arguments
-
-    mine = Arguments("load_into", {"verify": "sample", "staging_bytes": 256, "key_map": None})
-    gathered = [mine.values, dict(mine.values, verify="full"), dict(mine.values, verify="full", staging_bytes=512)]
-    error = mine.differing(gathered, "zload: cannot load x")
-    assert isinstance(error, zload.ArgumentValueError) and error.ranks == (0, 1, 2)
-    assert str(error) == ("zload: cannot load x: the ranks passed load_into different arguments (verify: 'sample' "
-                          "on rank 0, 'full' on ranks 1, 2; staging_bytes: 256 on ranks 0, 1, 512 on rank 2); every "
-                          "rank must call load_into with the same arguments and the same model")
-    many = [dict(mine.values, staging_bytes=n) for n in range(10)]
-    assert "staging_bytes: 0 on rank 0, 1 on rank 1, 2 on rank 2, 3 on rank 3, ... (6 more))" in \
-        str(mine.differing(many, "x"))
 
 
 def _load_with_an_orphan_on_rank_1(path):

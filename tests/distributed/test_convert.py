@@ -23,8 +23,6 @@ import pytest
 import torch
 
 import zload
-from zload.saving.convert import byte_share
-from zload.saving.plan import OutTensor, layout
 
 from tests.distributed.test_native_checkpoints import CASES
 from tests.distributed.test_save import fill_the_disk
@@ -158,21 +156,6 @@ def test_processes_write_the_same_bytes_as_one(zero3_w2, tmp_path, world):
                           {"max_shard_size": shard, "staging_bytes": 4096})
         assert files == [files[0]] * world and (len(files[0]) == 1) == (shard == "5GB")
         assert _files(tmp_path / f"many-{shard}") == _files(tmp_path / f"one-{shard}")
-
-
-def test_byte_shares_cover_every_element_once():
-    """Each element goes to exactly one rank, and the ranks' shares differ by an element at most."""
-    shapes = [(torch.float32, (7, 3)), (torch.bfloat16, (5,)), (torch.int64, ()), (torch.float32, (0, 4)),
-              (torch.bfloat16, (13,))]
-    tensors = [OutTensor(f"t{i}", dtype, shape, ((i, 0, 0, 0),)) for i, (dtype, shape) in enumerate(shapes)]
-    files = layout(tensors, 40)
-    everything = sorted((i, k) for i, (_, shape) in enumerate(shapes) for k in range(torch.Size(shape).numel()))
-    for world in (1, 2, 3, 7, 200):
-        shares = [byte_share(files, rank, world) for rank in range(world)]
-        assert sorted((i.target, i.src_offset + k) for share in shares for i in share for k in range(i.numel)) \
-            == everything
-        sizes = [sum(i.nbytes for i in share) for share in shares]
-        assert max(sizes) - min(sizes) <= 2 * 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,15 +374,6 @@ def test_a_file_size_limit_fails_zload_convert_under_torchrun(zero3_w2, tmp_path
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     zload.convert(zero3_w2.folder, tmp_path / "shards", max_shard_size=limit // 2)
     assert _files(out) == {**_files(tmp_path / "shards"), "notes.txt": b"someone's notes"}
-
-
-def test_not_a_deepspeed_checkpoint(tmp_path):
-    (tmp_path / "plain").mkdir()
-    with pytest.raises(zload.CheckpointNotFoundError, match="(?s)nothing was written.*holds neither 'latest'"):
-        zload.convert(tmp_path / "plain", tmp_path / "out")
-    with pytest.raises(zload.ArgumentValueError, match="weights='fp16'"):
-        zload.convert(tmp_path / "plain", tmp_path / "out", weights="fp16")
-    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,18 +23,14 @@ import zload
 from tests.support.harness import run_world
 from tests.support.models import tiny_llama_config
 from tests.support.zero3 import assert_bit_equal, build_zero, check_against, gathered
+from tests.unit.test_peft import _lora_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft import PeftModel, get_peft_model  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402  (before any zero.Init)
 
 BASE_PREFIX = "base_model.model."
-
-
-def _lora_config():
-    # init_lora_weights=False: lora_B is not zero, so a LoRA tensor loaded wrong changes the output
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
 
 
 def _is_lora(name: str) -> bool:
@@ -288,21 +284,3 @@ def test_resume_lora_training_from_peft_adapter(saved, tmp_path, world, bf16, lo
     assert all(a == b for a, b in results)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
-
-
-def test_merged_lora_attention_weights_are_targets():
-    """PEFT's LoRA ``MultiheadAttention`` keeps its merged weights as plain attributes and puts
-    them back as parameters in its own ``named_modules``: zload must walk the model through it, or
-    those weights are silently neither loaded nor saved."""
-    from zload.model.targets import collect_targets
-
-    class Attending(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = torch.nn.MultiheadAttention(4, 2)
-
-    model = get_peft_model(Attending(), LoraConfig(target_modules=["attn"], r=2))
-    model.merge_adapter()
-    names = {n for t in collect_targets(model) for n in t.names}
-    assert {"base_model.model.attn.base_layer.in_proj_weight",
-            "base_model.model.attn.base_layer.out_proj.base_layer.weight"} <= names

@@ -74,24 +74,6 @@ def test_save_gathers_only_tensors_whose_conversion_is_no_layout(tmp_path, kind)
         assert torch.equal(tensor, saved.state[name]), name
 
 
-def test_leftovers_of_a_killed_save_are_named_and_kept(tmp_path):
-    """A save names the temporary folders that killed saves of zload before 0.2 left next to its
-    path (those took no lock: one could belong to a save still running, so they are not deleted)
-    and saves as usual."""
-    out = tmp_path / "out"
-    leftover = tmp_path / "out.zload-tmp-0123456789abcdef"
-    leftover.mkdir()
-    (tmp_path / "other.zload-tmp-0123456789abcdef").mkdir()  # another path's: not mentioned
-    model = torch.nn.Linear(3, 2)
-    with pytest.warns(zload.ZloadWarning, match="temporary folders") as caught:
-        zload.save(model, out)
-    (warning,) = [w for w in caught if issubclass(w.category, zload.ZloadWarning)]
-    assert str(leftover) in str(warning.message) and "other.zload-tmp" not in str(warning.message)
-    assert warning.filename == __file__  # points at the caller's save() line
-    assert leftover.is_dir() and torch.equal(load_file(str(out / "model.safetensors"))["weight"],
-                                             model.weight.detach())
-
-
 def _save_into(folder, target, state_file):
     """Every rank saves a ZeRO-3 model to ``target`` with ``folder`` as its working directory;
     returns (error type, message) or None when the save succeeded."""
@@ -191,7 +173,6 @@ def _saved_under_the_old_name(out):
 def test_buffer_bytes_is_the_old_name_of_staging_bytes(tmp_path):
     """load_into and save name their I/O buffer the same; save's old name still works, with a warning."""
     assert run_world(2, _saved_under_the_old_name, str(tmp_path / "out"))[0]
-
 
 
 def _save_in_dtype(out, dtype):

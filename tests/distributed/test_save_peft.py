@@ -22,11 +22,12 @@ from safetensors.torch import load_file
 
 import zload
 
-from tests.distributed.test_peft import _build, _file_name, _logits, _lora_config, _lora_params
+from tests.distributed.test_peft import _build, _file_name, _logits, _lora_params
 from tests.support.checkpoints import metadata_with_digest
 from tests.support.harness import run_world
 from tests.support.models import tiny_llama_config
 from tests.support.zero3 import assert_bit_equal, gathered
+from tests.unit.test_peft import _lora_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -162,35 +163,3 @@ def test_peft_model_saves_its_adapter_as_peft_does(tmp_path, base, world, other_
     # 4. zload loads it back into a fresh ZeRO-3 PeftModel at another world size
     loaded_names = run_world(other_world, _load_body, base, str(out), not lora_partitioned, adapter, gathered)
     assert all(r == sorted(gathered) for r in loaded_names)
-
-
-def test_modules_to_save_are_named_as_peft_names_them(tmp_path):
-    """A plain PeftModel (no DeepSpeed, no process group) with ``modules_to_save``."""
-    torch.manual_seed(51)
-    config = _lora_config()
-    config.modules_to_save = ["lm_head"]
-    model = get_peft_model(LlamaForCausalLM(tiny_llama_config()), config)
-    zload.save(model, tmp_path / "adapter")
-    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
-    assert sorted(saved) == sorted(get_peft_model_state_dict(model))
-    # peft loads zload's folder, and zload loads peft's own save (modules_to_save included)
-    from peft import PeftModel
-
-    torch.manual_seed(52)
-    reloaded = PeftModel.from_pretrained(LlamaForCausalLM(tiny_llama_config()), tmp_path / "adapter")
-    for name, tensor in get_peft_model_state_dict(reloaded).items():
-        assert torch.equal(tensor, saved[name]), name
-    model.save_pretrained(tmp_path / "by_peft")
-    torch.manual_seed(53)
-    fresh = get_peft_model(LlamaForCausalLM(tiny_llama_config()), config)
-    report = zload.load_into(fresh, tmp_path / "by_peft")
-    assert report.missing == [] and report.unexpected == []
-    for name, tensor in get_peft_model_state_dict(fresh).items():
-        assert torch.equal(tensor, saved[name]), name
-
-
-def test_adapter_is_never_sharded(tmp_path):
-    """peft reads a single adapter_model.safetensors, whatever max_shard_size says."""
-    model = get_peft_model(LlamaForCausalLM(tiny_llama_config()), _lora_config())
-    report = zload.save(model, tmp_path / "adapter", max_shard_size=100)
-    assert report.files == ["adapter_model.safetensors"]

@@ -13,8 +13,6 @@ from torch import nn
 import zload
 from zload.collector import collector_paused
 
-from tests.support.harness import run_world
-
 
 @pytest.fixture
 def collector_enabled():
@@ -51,25 +49,3 @@ def test_load_into_runs_with_the_collector_paused(tmp_path, collector_enabled):
     zload.load_into(model, tmp_path, key_map=key_map)
     assert seen and not any(seen) and gc.isenabled()
     assert torch.equal(model.weight, torch.ones(2, 3))
-
-
-def _collector_while_building():
-    from tests.support.zero3 import DS_CONFIG
-
-    seen = []
-
-    class Probe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            seen.append(gc.isenabled())
-            self.weight = nn.Parameter(torch.empty(4, 4))
-
-    gc.enable()
-    with zload.init(DS_CONFIG, dtype=torch.bfloat16):
-        Probe()
-    return seen, gc.isenabled()
-
-
-def test_init_builds_with_the_collector_paused():
-    """A full collection walks every live object; while a large model builds they are many."""
-    assert run_world(1, _collector_while_building) == [([False], True)]

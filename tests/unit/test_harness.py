@@ -4,9 +4,7 @@ earlier test in the same world (or in the pytest process) left there."""
 from __future__ import annotations
 
 from zload import kernels
-from zload.integrations import transformers_registry
 
-from tests.support.harness import run_world
 
 LEFTOVER = "RuntimeError: left by an earlier test"
 
@@ -19,11 +17,6 @@ def _why_triton_is_off():
     return kernels._triton_broken
 
 
-def test_a_rank_body_does_not_inherit_the_previous_bodys_triton_failure():
-    run_world(2, _leave_triton_marked_broken)
-    assert run_world(2, _why_triton_is_off) == [None, None]
-
-
 # The next two run in this order (pytest keeps a file's order): the first leaves the state behind.
 
 def test_an_in_process_test_leaves_triton_marked_broken():
@@ -32,16 +25,3 @@ def test_an_in_process_test_leaves_triton_marked_broken():
 
 def test_the_next_in_process_test_does_not_inherit_it():
     assert _why_triton_is_off() is None
-
-
-def _leave_a_registry_behind():
-    transformers_registry._deferred_registry = LEFTOVER  # as a transformers patched by a test leaves it
-
-
-def _registry_left():
-    return transformers_registry._deferred_registry
-
-
-def test_a_rank_body_does_not_inherit_the_previous_bodys_conversion_registry():
-    run_world(2, _leave_a_registry_behind)
-    assert run_world(2, _registry_left) == [None, None]
