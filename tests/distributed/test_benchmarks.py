@@ -55,6 +55,7 @@ def _load_smoke(cache, tmp_path, *launch) -> tuple[dict, dict, list[int]]:
     return data, runs, shares
 
 
+@pytest.mark.slow
 def test_load_benchmark_runs_under_torchrun(cache, tmp_path):
     """Under torchrun (as on a GPU node) the torchrun ranks start each measured world themselves."""
     _, runs, _ = _load_smoke(cache, tmp_path, "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -62,6 +63,7 @@ def test_load_benchmark_runs_under_torchrun(cache, tmp_path):
     assert set(runs) == {"floor", "zload+init"}
 
 
+@pytest.mark.slow
 def test_load_benchmark_reports_what_each_method_did(cache, tmp_path, monkeypatch):
     """Every method runs at W=2; the zload and transformers partitions are verified bit for bit;
     each zload rank reads exactly its share (the floor's), transformers reads everything on rank 0;
@@ -134,6 +136,7 @@ def _check_dcp_and_ceiling(data: dict, runs: dict) -> None:
         assert (run["load_cpu_user"] is None) == (run["load_cpu_system"] is None) == (run["load_s"] is None)
 
 
+@pytest.mark.slow
 def test_convert_benchmark_checks_and_reports_every_method(cache, tmp_path):
     """A native checkpoint written by 2 ranks; zload's output is zero_to_fp32's bit for bit and 2
     processes write the bytes 1 does (the script raises otherwise); the JSON and table name every
@@ -164,6 +167,7 @@ def test_gpu_check_smoke_run_on_cpu(cache, tmp_path):
     assert results["load"]["checkpoint_bytes"] > 10e6 and "pinned_h2d_gbps" not in results
 
 
+@pytest.mark.slow
 def test_cold_load_benchmark_empties_the_page_cache_before_each_measurement(cache, tmp_path):
     """``--cold``: every measured method starts with (almost) none of the checkpoint cached, as
     checked by the worker itself just before it starts; a warm run starts with all of it. And
@@ -247,6 +251,7 @@ def test_plan_cost_benchmark_times_each_stage_of_this_tree_and_a_revision(cache,
     assert "| HEAD |" in (tmp_path / "plan-cost-t.md").read_text()
 
 
+@pytest.mark.slow
 def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache, tmp_path):
     """World sizes 1 and 3 (which divides no tensor; ``SIZE@1,3`` overrides ``--world``), every
     rank's exit aborting as gloo's sometimes does after the work is done."""
@@ -272,6 +277,7 @@ def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache,
     assert (tmp_path / "cold-one-world-t.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["timeout", "interrupt"])
 def test_a_world_stopped_early_leaves_no_worker_behind(tmp_path, monkeypatch, ending):
     """Past its timeout, or interrupted (Ctrl-C) while the launcher waits. torchrun starts each
@@ -304,6 +310,7 @@ def test_a_world_stopped_early_leaves_no_worker_behind(tmp_path, monkeypatch, en
     assert not left, f"workers still running: {left}"
 
 
+@pytest.mark.slow
 def test_fp8_benchmark_prints_one_line_per_world_size(tmp_path):
     """``benchmarks.fp8_load`` at 4 MB: the FP8 copy is made and both loads are timed."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.fp8_load", "--size", "4MB", "--world", "1",

@@ -338,6 +338,7 @@ def test_a_full_disk_fails_every_rank_and_leaves_out_as_it_was(zero3_w2, tmp_pat
                                                                    "notes.txt": b"someone's notes"}
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_fails_zload_convert_under_torchrun(zero3_w2, tmp_path):
     """``torchrun -m zload convert`` in processes whose files may not grow past a limit
     (RLIMIT_FSIZE, ``ulimit -f``), smaller than the one-file output: a real EFBIG while creating

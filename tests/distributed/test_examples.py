@@ -19,6 +19,7 @@ pytest.importorskip("peft")
 EXAMPLES = REPO / "examples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,success", [
     ("trainer_recipe.py", "trainer recipe: OK"),
     ("accelerate_recipe.py", "accelerate recipe: OK"),

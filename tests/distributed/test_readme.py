@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.support import REPO
@@ -23,6 +24,7 @@ def python_snippets(markdown: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.S | re.M)
 
 
+@pytest.mark.slow
 def test_every_python_snippet_in_the_readme_runs(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
