@@ -1,10 +1,10 @@
 """``zload.convert`` / ``zload convert``: DeepSpeed's own checkpoints into Hugging Face safetensors.
 
 Checkpoints are real: ``deepspeed.initialize``, one training step, ``engine.save_checkpoint``
-(tests/native_checkpoints.py, the cases of tests/test_native_checkpoints.py, built once a
-session). The reference is DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``: every
-tensor written must equal it bit for bit, in name and dtype, a tied alias written once under the
-name stored.
+(tests/support/native_checkpoints.py, the cases of tests/distributed/test_native_checkpoints.py,
+built once a session). The reference is DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``:
+every tensor written must equal it bit for bit, in name and dtype, a tied alias written once under
+the name stored.
 """
 
 from __future__ import annotations

@@ -600,7 +600,7 @@ GENUINE_STEPS = {
 
 @pytest.mark.parametrize("name", GENUINE_STEPS)
 def test_genuine_saves_whose_step_counts_differ_load(native_checkpoint, name):
-    """The control for the checks above (every other kind of save: tests/test_native_load.py):
+    """The control for the checks above (every other kind of save: tests/distributed/test_native_load.py):
     what DeepSpeed writes loads, bit for bit as its own reader rebuilds it."""
     from tests.support.native_checkpoints import deepspeed_reference
 

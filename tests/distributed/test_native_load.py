@@ -1,9 +1,10 @@
 """``load_into`` from DeepSpeed's own checkpoints (``engine.save_checkpoint``) at any world size.
 
 Checkpoints are real: written by ``deepspeed.initialize`` + a training step + ``save_checkpoint``
-(tests/native_checkpoints.py, the cases of tests/test_native_checkpoints.py, built once a session). The reference is DeepSpeed's own
-``get_fp32_state_dict_from_zero_checkpoint``; every tensor of a model loaded at another world size
-must equal it bit for bit, cast to the model's dtype.
+(tests/support/native_checkpoints.py, the cases of tests/distributed/test_native_checkpoints.py,
+built once a session). The reference is DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``;
+every tensor of a model loaded at another world size must equal it bit for bit, cast to the model's
+dtype.
 """
 
 from __future__ import annotations

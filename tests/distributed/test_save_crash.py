@@ -2,9 +2,9 @@
 ``path`` without a whole checkpoint, never touches the files zload does not own, and leaves
 nothing behind that the next save does not remove.
 
-Each case is a real torchrun job (tests/save_crash_rank.py) of 2 or 3 gloo ranks that loads a
-known checkpoint into a ZeRO-3 ``models.Awkward`` and saves it, sharded, to OUT, a training output
-folder holding files of other tools. One rank is killed (``os._exit(9)``) at a chosen point of
+Each case is a real torchrun job (tests/support/save_crash_rank.py) of 2 or 3 gloo ranks that
+loads a known checkpoint into a ZeRO-3 ``models.Awkward`` and saves it, sharded, to OUT, a training
+output folder holding files of other tools. One rank is killed (``os._exit(9)``) at a chosen point of
 the save; torchrun then tears the job down. Then:
 
 - a reader of OUT (model.safetensors first, then the index, as ``from_pretrained`` and zload
@@ -162,7 +162,7 @@ def _assert_only(out: Path, state: dict[str, torch.Tensor], others: dict[str, by
 
 
 # (CRASH_AT, rank killed, world size, shared_filesystem, what OUT held before); see
-# tests/save_crash_rank.py. Until "publish" no file a reader of OUT uses is touched (OUT may be
+# tests/support/save_crash_rank.py. Until "publish" no file a reader of OUT uses is touched (OUT may be
 # created, and holds the staging folder), so one earlier state per point is enough, all three
 # among them and "none" where rank 0 survives to clean up; from "publish" on, where files move
 # into OUT, every state.

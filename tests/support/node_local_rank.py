@@ -1,4 +1,4 @@
-"""One rank of the two-node test (tests/test_node_local.py), launched by torchrun.
+"""One rank of the two-node test (tests/distributed/test_node_local.py), launched by torchrun.
 
 Each "node" sees only its own directory (NODE_DIR); the load goes through the relative path
 ``ckpt`` there, which exists on node 0 only.

@@ -1,4 +1,4 @@
-"""One rank of the crash-safety tests of ``zload.save`` (tests/test_save_crash.py), launched by torchrun.
+"""One rank of the crash-safety tests of ``zload.save`` (tests/distributed/test_save_crash.py), launched by torchrun.
 
 The rank loads IN (a known checkpoint) into a ZeRO-3 ``models.Awkward`` and saves it to OUT. On
 rank CRASH_RANK a point of the save, CRASH_AT, is patched to kill the process there
