@@ -1,9 +1,6 @@
-"""Hub repo ids resolved through a hand-made huggingface_hub cache; never a network call.
-
-The cache is laid out exactly as huggingface_hub writes it (``models--ORG--NAME/refs/main`` holding
-a commit hash, ``snapshots/<hash>/`` holding the files, ``trees/<hash>.json`` listing the repo), and
-HF_HUB_OFFLINE is on, so huggingface_hub refuses any request before it is sent.
-"""
+"""Hub repo ids in worlds of ranks: one download shared by the ranks, a missing repo or another
+cache failing every rank, a load from the cache. The hand-made cache and the cases in one process:
+tests/unit/test_hub.py."""
 
 from __future__ import annotations
 

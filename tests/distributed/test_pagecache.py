@@ -1,10 +1,5 @@
-"""Reading from a cold page cache: spans the cache lacks are pulled into it (or hinted to the
-kernel) ahead of the reader (zload.pagecache), spans it holds never are, the pages a data sample
-brought in are forgotten again, and what is read stays exactly the file's bytes.
-
-Files are evicted with ``posix_fadvise(DONTNEED)`` after an fsync, as the load benchmark's cold
-mode does without root; a file system that keeps the pages anyway skips the cold cases.
-"""
+"""A cold ZeRO-3 load, its spans pulled into the page cache ahead of the readers, bit exact at every
+rank. The page cache itself: tests/unit/test_pagecache.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Bad checkpoints: the same clear zload error on every rank, no hang, and an untouched model."""
+"""Bad inputs seen in one process: where a load's warnings point, and how arguments that differ
+between ranks are named. Bad checkpoints on every rank: tests/distributed/test_bad_inputs.py."""
 
 from __future__ import annotations
 

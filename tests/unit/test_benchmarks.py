@@ -1,8 +1,6 @@
-"""The benchmark scripts, run small on CPU, so that the numbers the README quotes come from a script
-that still works, and the GPU check works before a lent GPU machine is spent on it.
-
-These check what each script reports (bytes, verification, outputs), never its timings.
-"""
+"""The benchmarks' own logic, in this process: targets, reports and plots, scratch folders, stage
+timing and the collective counter. The scripts themselves, run small on CPU so that the numbers
+the README quotes come from scripts that still work: tests/distributed/test_benchmarks.py."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""``zload.convert`` / ``zload convert``: DeepSpeed's own checkpoints into Hugging Face safetensors.
-
-Checkpoints are real: ``deepspeed.initialize``, one training step, ``engine.save_checkpoint``
-(tests/support/native_checkpoints.py, the cases of tests/distributed/test_native_checkpoints.py,
-built once a session). The reference is DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``:
-every tensor written must equal it bit for bit, in name and dtype, a tied alias written once under
-the name stored.
-"""
+"""``zload.convert`` in one process: each element of the output goes to one rank, and a folder that
+is no DeepSpeed checkpoint is refused. Real checkpoints converted: tests/distributed/test_convert.py."""
 
 from __future__ import annotations
 

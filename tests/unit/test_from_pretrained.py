@@ -1,5 +1,5 @@
-"""zload.from_pretrained: transformers' from_pretrained as a ZeRO-3 model, in one call, compared
-bit for bit with transformers' own from_pretrained (no DeepSpeed) of the same folder or repo."""
+"""zload.from_pretrained in one process: what it refuses before building anything, and an
+``import zload`` that imports no transformers. The loads: tests/distributed/test_from_pretrained.py."""
 
 from __future__ import annotations
 

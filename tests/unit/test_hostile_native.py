@@ -1,8 +1,6 @@
-"""A DeepSpeed checkpoint is hostile input too (issue 18): each case starts from a real
-``engine.save_checkpoint`` at world size 2, tampers with a copy and loads it at world size 2 into
-a real zero.Init model. Every rank raises the same ZloadError naming the file (and the tensor
-where one is at fault), the model stays untouched, no rank hangs, and nothing in a pickle runs.
-"""
+"""Hostile DeepSpeed checkpoints, what needs no world: unpickling allocates no more than the pickle
+itself holds, and what ``torch.save`` writes is not refused. Tampered checkpoints loaded on every
+rank: tests/distributed/test_hostile_native.py."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""PEFT adapters: peft's own ``save_pretrained`` folders loaded into a ``PeftModel`` over ZeRO-3.
-
-The references are peft's files themselves (``adapter_model.safetensors``, names without the
-adapter name) and transformers' ``save_pretrained`` of the base model, compared bit for bit with
-the gathered ZeRO-3 model; base weights are snapshotted before an adapter load to prove they are
-left alone. The resume test trains LoRA under a ZeRO-3 engine, saves the adapter with peft, and
-checks a fresh engine loaded with zload continues with exactly the same weights and loss.
-"""
+"""PEFT in one process: the merged weights of a LoRA ``MultiheadAttention`` are targets. Adapters
+loaded into a ``PeftModel`` over ZeRO-3: tests/distributed/test_peft.py."""
 
 from __future__ import annotations
 

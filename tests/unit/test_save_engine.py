@@ -1,10 +1,5 @@
-"""zload.save from live engines and transformers models: frozen parameters, master weights, dtype,
-the Hugging Face layout (read back by safetensors and by transformers without DeepSpeed), loading
-at another world size, ranks without a shared filesystem, and ``max_shard_size``.
-
-References are always DeepSpeed's ``GatheredParameters`` (bit for bit), and for file names
-transformers' own ``save_pretrained`` of a plain model holding the gathered weights.
-"""
+"""zload.save without a process group: ``max_shard_size`` parsed, and ``dtype`` on a plain model.
+Saves of live engines and transformers models: tests/distributed/test_save_engine.py."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""zload.save of a ``PeftModel`` over ZeRO-3: the adapter alone, in peft's own format.
-
-The references are peft itself: ``get_peft_model_state_dict`` on a plain (no DeepSpeed) copy with
-the same weights gives the names and values the file must hold, and ``PeftModel.from_pretrained``
-on a plain base model must load the folder zload wrote. The saved values are also compared bit for
-bit with the gathered ZeRO-3 LoRA parameters, and loaded back with zload into a fresh ZeRO-3
-PeftModel at another world size.
-"""
+"""zload.save of a plain ``PeftModel`` (no DeepSpeed): names as peft names them, and an adapter
+never sharded. Over ZeRO-3: tests/distributed/test_save_peft.py."""
 
 from __future__ import annotations
 
