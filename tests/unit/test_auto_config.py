@@ -6,7 +6,6 @@ here with transformers' own), and the rest left to the Trainer."""
 from __future__ import annotations
 
 import copy
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +14,7 @@ import torch
 import zload
 import zload.model.ds_config as ds_config
 
-from tests import models
-from tests.harness import run_world
-from tests.test_from_pretrained import _compare_with_transformers, _save_llama
+from tests.support import models
 
 pytest.importorskip("transformers")
 
@@ -133,29 +130,3 @@ def test_the_hidden_size_is_found_where_the_trainer_finds_it():
     assert hidden_size_of(SimpleNamespace(hidden_sizes=[8, 32, 16])) == 32
     assert hidden_size_of(SimpleNamespace(text_config=SimpleNamespace(hidden_size=12))) == 12
     assert hidden_size_of(SimpleNamespace(vocab_size=3)) is None
-
-
-def _built_from_the_template(path, folder) -> tuple[list, tuple]:
-    """``zload.init`` and ``zload.from_pretrained`` with the template's file: the model built and
-    loaded (from_pretrained's against transformers' own, bit for bit); and how DeepSpeed reads
-    the config they built with."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from transformers import LlamaForCausalLM
-
-    built = [_compare_with_transformers(folder, folder, "LlamaForCausalLM", path, None, torch.float16),
-             _compare_with_transformers(folder, folder, "LlamaForCausalLM", WITH_BF16, torch.bfloat16, torch.bfloat16)]
-    with zload.init(path, hidden_size=HIDDEN):
-        model = LlamaForCausalLM(models.tiny_llama_config(tie=True))
-    built.append(len(zload.load_into(model, folder).loaded))
-    read = DeepSpeedConfig(_resolved(path).values)
-    return built, (read.train_batch_size, read.train_micro_batch_size_per_gpu, read.gradient_accumulation_steps,
-                   read.zero_config.param_persistence_threshold, read.gradient_clipping)
-
-
-def test_the_docs_template_builds_and_loads(tmp_path):
-    _save_llama(tmp_path / "llama")
-    path = tmp_path / "ds_config_zero3.json"
-    path.write_text(json.dumps(DOCS_ZERO3))
-    for built, read in run_world(2, _built_from_the_template, str(path), str(tmp_path / "llama")):
-        assert [b.dtypes for b in built[:2]] == [{"torch.float16"}, {"torch.bfloat16"}] and built[2] == 20
-        assert read == (2, 1, 1, 10 * HIDDEN, "auto")  # train batch = 1 x 1 x 2 ranks

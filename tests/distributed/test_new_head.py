@@ -12,9 +12,9 @@ import torch
 
 import zload
 
-from tests import models
-from tests.harness import run_world
-from tests.zero3 import DS_CONFIG, check_against, dtype_config, gathered
+from tests.support import models
+from tests.support.harness import run_world
+from tests.support.zero3 import DS_CONFIG, check_against, dtype_config, gathered
 
 pytest.importorskip("transformers")
 

@@ -12,10 +12,10 @@ import torch
 
 import zload
 
-from tests import models
-from tests.harness import run_world
-from tests.test_from_pretrained import _save_llama
-from tests.zero3 import DS_CONFIG, Refused, refusal
+from tests.support import models
+from tests.support.harness import run_world
+from tests.support.zero3 import DS_CONFIG, Refused, refusal
+from tests.unit.test_from_pretrained import _save_llama
 
 pytest.importorskip("transformers")
 
