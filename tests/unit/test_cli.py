@@ -137,7 +137,7 @@ def test_counts_of_one_are_singular(tmp_path, capsys):
 
 def test_the_readme_synopsis_lists_every_option():
     readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Command line, progress and logging"):readme.index("## Performance")]
+    section = readme[readme.index("**Command line**"):readme.index("**Progress and logging.**")]
     synopsis = section.split("```")[1]
     for option in ("--json", "--limit N", "--all", "--no-tensors", "--world-size N", "-n N", "--full"):
         assert option in synopsis, option
