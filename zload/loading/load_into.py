@@ -11,7 +11,7 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
@@ -257,7 +257,7 @@ _PARTLY = "The model is partly written: load it again before using it."
 def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: KeyMap | None = None,
               revision: str | None = None, progress: bool | None = None,
               staging_bytes: int = DEFAULT_STAGING_BYTES, verify: str = "sample",
-              optimizer: bool = False) -> LoadReport:
+              optimizer: bool = False, _initialises_missing: bool = False) -> LoadReport:
     """Load a safetensors checkpoint into ``model`` in place, each rank reading only its bytes.
 
     ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not) or a
@@ -285,6 +285,8 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     (Adam's ``exp_avg``, ``exp_avg_sq``), step count and hyperparameters, the loss scaler, the
     engine's step counters and its LR scheduler, and sets the 16-bit weights from the masters;
     parameter groups that differ from the checkpoint's are a ``PlanError``, before anything is written.
+    (``_initialises_missing``: the caller, ``from_pretrained``, initialises what is missing and
+    warns about it; this call does not.)
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
@@ -305,7 +307,10 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
                         slow_path=[plan.targets[i].name for i in plan.slow], bytes_read=moved.read,
                         bytes_sent=moved.sent, bytes_received=moved.received,
                         checkpoint_bytes=plan.checkpoint_bytes, seconds=time.perf_counter() - started)
-    _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
+    if _initialises_missing:
+        _warn(replace(report, missing=[]), [])
+    else:
+        _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
     logger.info("%s", report)
     return report
 
