@@ -89,13 +89,14 @@ def test_resume_with_groups_at_another_world_size(saved):
 # ---- what does not fit: refused on every rank, the engine untouched
 
 
-def _refused_body(folder, stage, groups, freeze_more, module_only):
+def _refused_body(folder, stage, groups, freeze_more, module_only, thawed):
     """Resume from ``folder`` into an engine that does not fit it; (error class, message) and
     whether the engine was left as it was."""
     import zload
     from zload.errors import ZloadError
 
-    made = worlds.engine(stage, "bf16", False, seed=1, groups=groups, also_frozen="layers.1.mlp." if freeze_more else None)
+    made = worlds.engine(stage, "bf16", False, seed=1, groups=groups, also_frozen="layers.1.mlp." if freeze_more else None,
+                         thawed=thawed)
     before = worlds.held_now(made)
     try:
         zload.load_into(made.module if module_only else made, folder, optimizer=True)
@@ -104,8 +105,8 @@ def _refused_body(folder, stage, groups, freeze_more, module_only):
     return None
 
 
-def _refusals(folder, world=2, stage=3, groups="decay", freeze_more=False, module_only=False):
-    results = run_world(world, _refused_body, str(folder), stage, groups, freeze_more, module_only)
+def _refusals(folder, world=2, stage=3, groups="decay", freeze_more=False, module_only=False, thawed=False):
+    results = run_world(world, _refused_body, str(folder), stage, groups, freeze_more, module_only, thawed)
     assert all(r is not None for r in results), results
     assert len({r[:2] for r in results}) == 1, results  # the same error on every rank
     assert all(r[2] for r in results), "the engine was changed"
@@ -134,6 +135,32 @@ def test_parameters_the_checkpoint_did_not_train_are_refused(saved):
     assert kind == "PlanError"
     assert "not optimized by the engine (frozen, or not in the model)" in message
     assert "'model.layers.1.mlp.down_proj.weight'" in message
+
+
+@pytest.mark.parametrize("how", ["native", "zload"])
+def test_parameters_the_checkpoint_did_not_train_but_the_engine_does_are_refused(saved, how):
+    """Unfrozen since the save: no state to restore them with."""
+    folder, _ = saved(2, 3, groups="decay")
+    kind, message = _refusals(folder / how, thawed=True)
+    assert kind == "PlanError"
+    assert "have no optimizer state in the checkpoint" in message
+    assert "'model.layers.0.mlp.down_proj.weight' (group 0)" in message, message
+
+
+def test_an_optimizer_index_of_another_format_version_is_refused(saved, tmp_path):
+    """zload's optimizer index, hostile or of a later zload: refused on every rank, naming it."""
+    import json
+    import shutil
+
+    folder, _ = saved(2, 3, groups="decay")
+    shutil.copytree(folder / worlds.ZLOAD, tmp_path / "out")
+    index = tmp_path / "out" / "optimizer.safetensors.index.json"
+    document = json.loads(index.read_text())
+    document["metadata"]["version"] = 2
+    index.write_text(json.dumps(document))
+    kind, message = _refusals(tmp_path / "out")
+    assert kind == "InvalidCheckpointError"
+    assert str(index) in message and "format version 2" in message, message
 
 
 def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):

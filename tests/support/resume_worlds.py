@@ -43,11 +43,12 @@ def is_frozen(name: str) -> bool:
 
 
 def engine(stage: int, dtype: str, offload: bool, seed: int, universal: bool = False, groups: str = "decay",
-           also_frozen: str | None = None):
+           also_frozen: str | None = None, thawed: bool = False):
     """A DeepSpeed engine of a tiny tied Llama (``layers.0.mlp`` frozen) with AdamW over two
     parameter groups (``groups="decay"``: matrices with weight decay, vectors without; ``"alike"``:
     the same two groups, both with weight decay; ``"swapped"``: "decay"'s groups in the other
-    order; ``"one"``: one group). ``also_frozen``: the parameters whose names hold it are frozen too."""
+    order; ``"one"``: one group). ``also_frozen``: the parameters whose names hold it are frozen too;
+    ``thawed``: ``layers.0.mlp`` is trained too."""
     import deepspeed
 
     settings = config(stage, dtype, offload, universal)
@@ -59,7 +60,7 @@ def engine(stage: int, dtype: str, offload: bool, seed: int, universal: bool = F
         module = factory()
     randomize(module, seed)
     for name, p in module.named_parameters():
-        p.requires_grad_(not is_frozen(name) and not (also_frozen and also_frozen in name))
+        p.requires_grad_((thawed or not is_frozen(name)) and not (also_frozen and also_frozen in name))
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     matrices = {"params": [p for n, p in trainable if len(getattr(p, "ds_shape", p.shape)) > 1],
                 "weight_decay": WEIGHT_DECAY}
