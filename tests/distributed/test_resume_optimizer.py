@@ -86,6 +86,22 @@ def test_resume_with_groups_at_another_world_size(saved):
             assert ours.groups == run[0].groups, how  # DeepSpeed's gives group 1 group 0's weight decay
 
 
+def test_resume_from_a_trainer_checkpoint_reads_its_deepspeed_checkpoint(saved, tmp_path):
+    """An HF Trainer's ``checkpoint-N`` holds safetensors weights beside ``save_checkpoint``'s
+    files: the resume reads the DeepSpeed checkpoint, which holds the optimizer state."""
+    import shutil
+
+    folder, _ = saved(2, 3, groups="one")
+    trainer = tmp_path / worlds.NATIVE
+    shutil.copytree(folder / worlds.NATIVE, trainer)
+    for name in (folder / worlds.ZLOAD).iterdir():
+        if not name.name.startswith("optimizer"):
+            shutil.copy(name, trainer / name.name)
+    assert (trainer / "model.safetensors").exists() or (trainer / "model.safetensors.index.json").exists()
+    worlds.assert_same(worlds.resume(tmp_path, 2, 3, "bf16", how="native", groups="one", steps=1),
+                       worlds.resume(folder, 2, 3, "bf16", how="native", groups="one", steps=1), "a Trainer's folder")
+
+
 # ---- what does not fit: refused on every rank, the engine untouched
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checkpoint.optimizer_state import COUNTERS, LOSS_SCALE_KEYS
 from ..checkpoint.partition import Partition
 from ..distributed import collective, stage
 from ..errors import PeerLostError, UnsupportedEnvironmentError, UnsupportedModelError, ZloadWarning
@@ -465,31 +466,27 @@ def weights_from_masters(engine) -> None:
                     param._hp_mapping.update_lp()
 
 
-_LOSS_SCALE_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
-
-
 def loss_scale_state(engine) -> dict:
     """What the engine's loss scaler has learnt (fp16's dynamic scale, its iteration counts)."""
     scaler = getattr(_zero_optimizer(engine), "loss_scaler", None)
-    return {k: getattr(scaler, k) for k in _LOSS_SCALE_STATE if isinstance(getattr(scaler, k, None), (int, float))}
+    return {k: getattr(scaler, k) for k in LOSS_SCALE_KEYS if isinstance(getattr(scaler, k, None), (int, float))}
 
 
 def set_loss_scale_state(engine, state: dict) -> None:
     """Restore ``loss_scale_state`` (the keys both the engine's scaler and ``state`` have)."""
     scaler = getattr(_zero_optimizer(engine), "loss_scaler", None)
-    for key in _LOSS_SCALE_STATE:
+    for key in LOSS_SCALE_KEYS:
         if key in state and hasattr(scaler, key):
             setattr(scaler, key, state[key])
 
 
 def training_counters(engine) -> dict:
     """The engine's step and sample counts (``global_steps``...), which ``save_checkpoint`` saves."""
-    return {k: getattr(engine, k) for k in _COUNTERS}
+    return {k: getattr(engine, k) for k in COUNTERS}
 
 
 def set_training_counters(engine, counters: dict) -> None:
-    for key in _COUNTERS:
+    for key in COUNTERS:
         if key in counters:
             setattr(engine, key, counters[key])
 

@@ -18,11 +18,13 @@ from typing import Protocol
 import torch
 
 from ..checkpoint.files import FileTable
+from ..checkpoint.native import native_folder
+from ..checkpoint.optimizer_state import OPTIMIZER_INDEX
 from ..checkpoint.quantized import FP8
 from ..checkpoint.views import SharedIndex, Verify
 from ..collector import collector_paused
 from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, stage
-from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
+from ..errors import ArgumentTypeError, ArgumentValueError, ZloadError, ZloadWarning
 from ..integrations.deepspeed import convert_like, drop_secondary, engine_writes, flat_partition
 from ..kernels import scatter_cast, zero_segment
 from ..model.init import is_unloaded, mark_loaded
@@ -285,6 +287,8 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     (Adam's ``exp_avg``, ``exp_avg_sq``), step count and hyperparameters, the loss scaler, the
     engine's step counters and its LR scheduler, and sets the 16-bit weights from the masters;
     parameter groups that differ from the checkpoint's are a ``PlanError``, before anything is written.
+    A folder holding both safetensors weights without zload's optimizer files and a DeepSpeed
+    checkpoint (an HF Trainer's ``checkpoint-N``) resumes from the DeepSpeed checkpoint.
     (``_initialises_missing``: the caller, ``from_pretrained``, initialises what is missing and
     warns about it; this call does not.)
     """
@@ -292,6 +296,8 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     rank, world = rank_and_world()
     module, engine, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify,
                                                     optimizer)
+    if optimizer is True and isinstance(path, str):
+        path = _resume_source(path)
     planner = _LoadPlanner(module, engine is not None, strict, key_map, staging_bytes,
                            engine if optimizer is True else None)
     try:
@@ -313,6 +319,19 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
         _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
     logger.info("%s", report)
     return report
+
+
+def _resume_source(path):
+    """Where a resume reads from: the DeepSpeed checkpoint in the folder ``path`` where zload saved
+    no optimizer state there (an HF Trainer's ``checkpoint-N`` holds safetensors weights beside
+    ``engine.save_checkpoint``'s files, which hold the optimizer), else ``path``. Raises nothing:
+    what cannot be read is named by the load, on every rank."""
+    try:
+        if not os.path.isdir(path) or os.path.lexists(os.path.join(path, OPTIMIZER_INDEX)):
+            return path
+        return native_folder(path) or path
+    except (OSError, ValueError, ZloadError):
+        return path
 
 
 def _call(model, path, strict, key_map, revision, staging_bytes, verify, optimizer) -> tuple:
