@@ -39,7 +39,8 @@ def saved(tmp_path_factory):
 CASES = [pytest.param(3, 2, 3, "one", id="zero3-3to2"), pytest.param(2, 4, 3, "one", id="zero3-2to4", marks=pytest.mark.slow),
          pytest.param(2, 1, 3, "one", id="zero3-2to1"), pytest.param(1, 3, 3, "one", id="zero3-1to3", marks=pytest.mark.slow),
          pytest.param(3, 2, 2, "decay", id="zero2-3to2", marks=pytest.mark.slow), pytest.param(2, 4, 2, "decay", id="zero2-2to4", marks=pytest.mark.slow),
-         pytest.param(2, 1, 2, "decay", id="zero2-2to1"), pytest.param(1, 3, 2, "decay", id="zero2-1to3")]
+         pytest.param(2, 1, 2, "decay", id="zero2-2to1"), pytest.param(1, 3, 2, "decay", id="zero2-1to3"),
+         pytest.param(2, 3, 1, "decay", id="zero1-2to3", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("world, resumed_world, stage, groups", CASES)
