@@ -438,13 +438,16 @@ class SaveFolder:
         except (ZloadError, OSError, ValueError, KeyError, TypeError, RecursionError):
             return  # no manifest: killed before it moved anything into the folder
         in_use, _ = _referenced(self.final, single)
-        if commit in in_use and _identity(os.path.join(self.final, commit)) == created.get(commit):
+        committed = commit in in_use and _identity(os.path.join(self.final, commit)) == created.get(commit)
+        if committed:
             for name in configs:  # its commit is what readers use: its configs belong with it
                 source = os.path.join(staging, name) if isinstance(name, str) else ""
                 if (name == os.path.basename(name) and not name.startswith(".")
                         and os.path.isfile(source) and not os.path.islink(source)):
                     os.replace(source, os.path.join(self.final, name))
-        if manifest.get("beside") == OPTIMIZER_SINGLE:  # the optimizer state's index is now the one it belongs with
+        # the optimizer state readers find belongs with the weights they find: the earlier one until
+        # the commit, then this save's (none if it saved none: the earlier one's files are stale)
+        if manifest.get("beside") == OPTIMIZER_SINGLE and (not committed or index_name(OPTIMIZER_SINGLE) in configs):
             in_use |= _referenced(self.final, OPTIMIZER_SINGLE)[0]
         _remove(self.final, {n: i for n, i in [*created.items(), *stale.items()] if n not in in_use})
         _fsync_dir(self.final)
