@@ -13,7 +13,8 @@ world size W' of ``--worlds``, each method in turn, with the checkpoint's files 
 (warm page cache):
 
 - ``ds_to_universal``: DeepSpeed's conversion (``python -m deepspeed.checkpoint.ds_to_universal``,
-  its default workers), one fresh command: wall clock and the peak RSS of its largest process;
+  its default workers), once per run (it does not depend on W'), one fresh command: wall clock
+  and the peak RSS of its largest process;
 - ``load_universal``: W' ranks (torchrun) each build the engine, then time
   ``engine.load_checkpoint`` of the converted checkpoint (``checkpoint.load_universal``);
 - ``zload (native)``: the same engine, ``zload.load_into(engine, native/, optimizer=True)``;
@@ -23,7 +24,8 @@ Per rank, each step apart: the seconds of the call alone (not the engine's build
 before it and its high-water mark after (``ru_maxrss``), and, for zload, the bytes it read; its
 I/O floor is those bytes at the speed one process reads the checkpoint's files from the page
 cache. The first run checks that every rank's fp32 masters, exp_avg, exp_avg_sq and step counts
-are bit-identical between DeepSpeed's resume and zload's two. Results: ``OUT/resume-<name>.{json,md}``.
+are bit-identical between DeepSpeed's resume and zload's two. A resume that fails (DeepSpeed's
+universal load can run out of memory) is recorded as failed. Results: ``OUT/resume-<name>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -150,7 +152,9 @@ def _torchrun(world: int, *arguments: str) -> list[dict]:
                                str(world), "-m", "benchmarks.resume", *arguments, out], cwd=REPO, env=env,
                               capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(arguments)} at {world} ranks failed:\n{done.stderr[-4000:]}")
+            why = "a rank was killed (SIGKILL: out of memory?)" if "exitcode: -9" in done.stderr \
+                else f"exit status {done.returncode}"
+            raise RuntimeError(f"{' '.join(arguments[:2])} at {world} ranks: {why}\n{done.stderr[-4000:]}")
         records = []
         for rank in range(world):
             with open(os.path.join(out, f"rank{rank}.json")) as f:
@@ -241,30 +245,38 @@ def measure_size(name: str, weights: int, args) -> dict:
     speed = _read_speed(folder)
     files = {NATIVE: sum(os.path.getsize(p) for p in checkpoint_files(tag, ".pt")),
              ZLOAD: sum(os.path.getsize(p) for p in checkpoint_files(os.path.join(folder, ZLOAD), ""))}
-    samples: dict[int, dict[str, list[dict]]] = {w: {m: [] for m in ("ds_to_universal", *RESUMES)}
-                                                 for w in args.worlds}
+    converts: list[dict] = []
+    samples: dict[int, dict[str, list[dict]]] = {w: {m: [] for m in RESUMES} for w in args.worlds}
     for run in range(args.runs):
+        warm_page_cache(tag, ".pt")
+        converts.append(convert(tag))  # the same for every W'
+        log(f"{name} run {run + 1} ds_to_universal: {converts[-1]['seconds']:.2f} s")
         for world in args.worlds:
-            warm_page_cache(tag, ".pt")
-            samples[world]["ds_to_universal"].append(convert(tag))
             digests = {}
             for method in RESUMES:  # the universal checkpoint is in the page cache, just written
                 warm_page_cache(tag, ".pt")
                 warm_page_cache(os.path.join(folder, ZLOAD))
-                records = _torchrun(world, "--resume", method, folder)
+                try:
+                    records = _torchrun(world, "--resume", method, folder)
+                except RuntimeError as e:  # DeepSpeed's universal load can run out of memory
+                    samples[world][method].append({"failed": str(e).splitlines()[0]})
+                    log(f"{name} run {run + 1} W'={world} {method}: failed: {e}")
+                    continue
                 digests[method] = [r["digest"] for r in records]
                 samples[world][method].append(_per_rank(records, speed))
                 log(f"{name} run {run + 1} W'={world} {method}: {samples[world][method][-1]['seconds']:.2f} s")
-            if run == 0 and len({tuple(d) for d in digests.values()}) != 1:
+            if run == 0 and len({tuple(d) for d in digests.values()}) > 1:
                 raise AssertionError(f"W'={world}: the resumed optimizers differ between {list(digests)}")
     return {"size": name, "weights_bytes": weights, "files_bytes": files, "read_bytes_per_second": speed,
             "runs": args.runs, "saves": {m: _per_rank([s[m] for s in saves]) for m in saves[0]},
+            "ds_to_universal": _median(converts),
             "resumes": {str(w): {m: _median(v) for m, v in by.items()} for w, by in samples.items()}}
 
 
 def _median(samples: list[dict]) -> dict:
-    """The run of median seconds (its per-rank figures with it)."""
-    return sorted(samples, key=lambda s: s["seconds"])[len(samples) // 2]
+    """The run of median seconds (its per-rank figures with it); a failure if any run failed."""
+    failed = [s for s in samples if "failed" in s]
+    return failed[0] if failed else sorted(samples, key=lambda s: s["seconds"])[len(samples) // 2]
 
 
 def markdown(data: dict) -> str:
@@ -274,6 +286,9 @@ def markdown(data: dict) -> str:
              "rank) | peak RSS MB per rank | rise MB per rank |", "|---|---:|---|---:|---:|---|---|"]
 
     def row(size, world, step, m):
+        if "failed" in m:
+            lines.append(f"| {size} | {world} | {step} | failed: {m['failed']} | | | |")
+            return
         floor = max(m["io_floor_seconds_ranks"]) if "io_floor_seconds_ranks" in m else None
         peaks = ", ".join(f"{p / MB:,.0f}" for p in m.get("peak_rss_ranks", [m.get("peak_rss", 0)]))
         rises = ", ".join(f"{(p - b) / MB:,.0f}" for p, b in zip(m.get("peak_rss_ranks", []),
@@ -285,13 +300,17 @@ def markdown(data: dict) -> str:
         size = (f"{r['size']} ({r['files_bytes'][NATIVE] / MB:,.0f} MB; {r['files_bytes'][ZLOAD] / MB:,.0f} MB)")
         for step, m in r["saves"].items():
             row(size, SAVE_WORLD, step, m)
+        row(size, "any", "ds_to_universal", r["ds_to_universal"])
         for world, by in r["resumes"].items():
             for step, m in by.items():
                 row(size, world, step, m)
-            ds = by["ds_to_universal"]["seconds"] + by["load_universal"]["seconds"]
+            if "failed" in by["load_universal"]:
+                continue
+            ds = r["ds_to_universal"]["seconds"] + by["load_universal"]["seconds"]
             for method in ("zload (native)", "zload (zload.save)"):
-                lines.append(f"| {size} | {world} | {method} / (ds_to_universal + load_universal) | "
-                             f"{by[method]['seconds'] / ds:.3f} | | | |")
+                if "failed" not in by[method]:
+                    lines.append(f"| {size} | {world} | {method} / (ds_to_universal + load_universal) | "
+                                 f"{by[method]['seconds'] / ds:.3f} | | | |")
     lines += ["", f"Command: `{data['command']}`. Median run. Seconds: the call alone on each rank (the engine "
               "built before it), the slowest rank; ds_to_universal: the whole command (one process and its "
               "workers). I/O floor: the rank's bytes read at the speed one process reads the files from the page "
