@@ -9,8 +9,8 @@ at world size 2, a Llama-shaped model (``benchmarks.load``'s ``llama_config``) u
 ``deepspeed.zero.Init`` with ZeRO-3, bf16 and AdamW after one training step, saved twice from the
 same engine: ``engine.save_checkpoint`` (``native/``) and ``zload.save(optimizer=True)``
 (``zload/``), each rank timing its own call (the save comparison). Then, for each run and each
-world size W' of ``--worlds``, each method in turn, with the checkpoint's files read just before
-(warm page cache):
+world size W' of ``--worlds``, each method in turn, with the files it reads (and only those: they
+may not all fit in the page cache) read just before:
 
 - ``ds_to_universal``: DeepSpeed's conversion (``python -m deepspeed.checkpoint.ds_to_universal``,
   its default workers), once per run (it does not depend on W'), one fresh command: wall clock
@@ -218,6 +218,17 @@ def run_and_report(command: list[str]) -> int:
     return 0
 
 
+def _warm(folder: str) -> None:
+    """Read every file under ``folder`` once, so that the files a method reads (and no others: the
+    page cache may not hold all of them) are in the page cache."""
+    buffer = bytearray(16 << 20)
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb", buffering=0) as f:
+                while f.readinto(buffer):
+                    pass
+
+
 def _read_speed(folder: str) -> float:
     """Bytes per second one process reads the checkpoint's files from the (warm) page cache."""
     speeds = []
@@ -253,9 +264,9 @@ def measure_size(name: str, weights: int, args) -> dict:
         log(f"{name} run {run + 1} ds_to_universal: {converts[-1]['seconds']:.2f} s")
         for world in args.worlds:
             digests = {}
-            for method in RESUMES:  # the universal checkpoint is in the page cache, just written
-                warm_page_cache(tag, ".pt")
-                warm_page_cache(os.path.join(folder, ZLOAD))
+            for method in RESUMES:
+                _warm({"load_universal": tag + "_universal", "zload (native)": tag}.get(method,
+                                                                                      os.path.join(folder, ZLOAD)))
                 try:
                     records = _torchrun(world, "--resume", method, folder)
                 except RuntimeError as e:  # DeepSpeed's universal load can run out of memory

@@ -103,6 +103,33 @@ def test_resume_from_a_trainer_checkpoint_reads_its_deepspeed_checkpoint(saved, 
                        worlds.resume(folder, 2, 3, "bf16", how="native", groups="one", steps=1), "a Trainer's folder")
 
 
+def _bytes_read_body(folder):
+    """(the bytes this rank's resume read, those of its own partitions: each trainable parameter's
+    masters and two Adam states in fp32, each frozen one's 16-bit weights)."""
+    import torch.distributed as dist
+
+    import zload
+
+    made = worlds.engine(3, "bf16", False, seed=0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    own = 0
+    for param in made.module.parameters():
+        size = param.ds_tensor.numel()
+        valid = max(0, min(size, param.ds_numel - rank * size))
+        own += valid * (3 * 4 if param.requires_grad else param.ds_tensor.element_size())
+    return zload.load_into(made, folder, optimizer=True).bytes_read, own, world
+
+
+@pytest.mark.parametrize("how", ["native", "zload"])
+def test_each_rank_reads_only_its_own_partitions(saved, how):
+    """ZeRO-3 saved at 2 ranks, resumed at 3: the masters, states and frozen weights of each
+    rank's new partitions, nothing more (the 16-bit weights of trained parameters are set from
+    their masters, not read)."""
+    folder, _ = saved(2, 3, groups="decay")
+    for read, own, world in run_world(3, _bytes_read_body, str(folder / how)):
+        assert world == 3 and read == own, (read, own)
+
+
 # ---- what does not fit: refused on every rank, the engine untouched
 
 

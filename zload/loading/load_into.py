@@ -118,6 +118,8 @@ class _LoadPlanner:
             self.optimizer_plans.append(plan.optimizer)
             plan_optimizer(plan.optimizer, targets, index)
             plan.problems += plan.optimizer.problems
+            restored = {i for i, t in enumerate(targets) if id(t.tensor) in plan.optimizer.from_masters}
+            plan.items = [item for item in plan.items if item.target not in restored]  # read as masters
         left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
         if self.strict and left:
             plan.problems.append(f"{len(left)} parameters built by zload.init (no trained values until "

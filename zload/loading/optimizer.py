@@ -56,6 +56,9 @@ class OptimizerPlan:
     keys: list[str] = field(default_factory=list)  # the states, MASTER first
     items: list[ReadItem] = field(default_factory=list)  # target k * len(keys) + s: flat k's state s
     padding: list[tuple[int, int, int]] = field(default_factory=list)  # (destination, first, count) zeroed
+    # the ``id`` of each parameter whose 16-bit partition is set from its masters (ZeRO-3's: the
+    # load need not read its weights; ZeRO-1/2 set only this rank's fragments, the rest is read)
+    from_masters: set[int] = field(default_factory=set)
     groups: list[dict] = field(default_factory=list)  # hyperparameters to set, in the engine's types
     scheduler: dict | None = None
     problems: list[str] = field(default_factory=list)
@@ -217,6 +220,7 @@ def plan_optimizer(plan: OptimizerPlan, targets: list[Target], weights: Checkpoi
         return
 
     plan.groups = [_in_engine_types(saved.hyperparameters, values) for saved, values in zip(index.groups, live_values)]
+    plan.from_masters = {id(param) for params in live for param in params if is_zero3(param)}
     plan.scheduler = index.lr_scheduler if lr_scheduler(engine) is not None else None
     width = len(plan.keys)
     for k, flat in enumerate(plan.flats):
