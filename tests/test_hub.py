@@ -222,7 +222,7 @@ def test_without_huggingface_hub(monkeypatch):
 
 
 def test_zload_imports_without_huggingface_hub():
-    code = "import sys; sys.modules['huggingface_hub'] = None; import zload, zload.hub"
+    code = "import sys; sys.modules['huggingface_hub'] = None; import zload, zload.checkpoint.open"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
