@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .checkpoint.partition import Partition
 from .errors import InvalidCheckpointError, PeerLostError, ZloadError
-from .report import plural
+from .report import plural, shortened
 
 if TYPE_CHECKING:
     from .checkpoint.index import CheckpointIndex
@@ -339,12 +339,13 @@ def _join() -> None:
 
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     parent = _inherited_from()
     timeout = INHERITED_TIMEOUT if parent else RENDEZVOUS_TIMEOUT
     keys = [f"arrived/{r}" for r in range(world)]
     store, missing = None, None
     try:
+        rank = int(os.environ.get("RANK", ""))  # a ValueError if unset: the message names it
         store = dist.PrefixStore(f"zload-convert/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
                                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}/",
                                  next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))[0])
@@ -352,9 +353,12 @@ def _join() -> None:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception as e:  # torch's store errors: a timeout, a refused connection, a port in use
         if store is not None:
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
-            store.delete_key(keys[rank])
-        raise PeerLostError(_not_joined(rank, world, timeout, parent, missing, e),
+            try:  # best effort: the store itself may be what failed
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                store.delete_key(keys[rank])
+            except Exception:  # the error raised below says what failed
+                pass
+        raise PeerLostError(_not_joined(world, timeout, parent, missing, e),
                             stage="joining the other processes") from e
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)  # small CPU collectives
     store.delete_key(keys[rank])  # every process has passed its wait: each needs the others to join
@@ -376,20 +380,19 @@ def _inherited_from() -> int | None:
     return parent if same else None
 
 
-def _not_joined(rank: int, world: int, timeout: int, parent: int | None, missing: list[int] | None,
-                e: Exception) -> str:
+def _not_joined(world: int, timeout: int, parent: int | None, missing: list[int] | None, e: Exception) -> str:
     """Why ``zload convert`` did not join the other processes, and what to do."""
     detail = str(e).splitlines()[0] if str(e) else type(e).__name__
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    absent = (f"process{'es' if len(missing) > 1 else ''} of rank {', '.join(map(str, missing))} did not come"
+    absent = (f"process{'es' if len(missing) > 1 else ''} of rank {shortened([str(r) for r in missing])} did not come"
               if missing else f"the group's store at {where} could not be used ({detail})")
     cause = (f"its parent process ({parent}) holds the same variables: a process of a distributed job "
              "started this one, which inherited them" if parent else "the other processes were not started with it")
-    return (f"zload convert: its environment (RANK={rank}, WORLD_SIZE={world}, MASTER_ADDR:MASTER_PORT={where}) "
-            f"says it is one of {world} processes, but within {timeout} s the {absent}; {cause}. To convert in "
-            f"this one process, pass --single-process (or set {SINGLE_PROCESS}=1); to convert with {world} "
-            f"processes, start them together: torchrun --nproc_per_node {world} -m zload convert ... "
-            "Nothing was written.")
+    return (f"zload convert: its environment (RANK={os.environ.get('RANK')}, WORLD_SIZE={world}, "
+            f"MASTER_ADDR:MASTER_PORT={where}) says it is one of {world} processes, but within {timeout} s the "
+            f"{absent}; {cause}. To convert in this one process, pass --single-process (or set "
+            f"{SINGLE_PROCESS}=1); to convert with {world} processes, start them together: torchrun "
+            f"--nproc_per_node {world} -m zload convert ... Nothing was written.")
 
 
 def _exit_skipping_teardown() -> None:
