@@ -117,6 +117,7 @@ class FakeHub:
     def __init__(self):
         self.repos: dict[str, dict[str, bytes]] = {}
         self.served: list[tuple[str, str | None, int]] = []
+        self.ranges = True  # False: answer a ranged GET with the whole file, as some servers do
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -159,7 +160,7 @@ class FakeHub:
                            "Accept-Ranges": "bytes"}
                 asked = self.headers.get("Range")
                 status = 200
-                if asked:
+                if asked and hub.ranges:
                     first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", asked).groups())
                     headers["Content-Range"] = f"bytes {first}-{min(last, len(data) - 1)}/{len(data)}"
                     data, status = data[first:last + 1], 206
@@ -273,6 +274,14 @@ def test_a_hostile_header_length_is_refused_before_it_is_asked_for(hub, tmp_path
     done = _zload(hub, tmp_path / "cache", "inspect", "org/huge")
     assert done.returncode == 2 and "header length 4611686018427387904 exceeds" in done.stderr
     assert hub.served == [("model.safetensors", "bytes=0-7", 8)]
+
+
+def test_a_server_that_ignores_ranges_is_refused(hub, tmp_path):
+    hub.ranges = False
+    done = _zload(hub, tmp_path / "cache", "inspect", "org/single")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (f"{hub.endpoint}/org/single/resolve/{COMMIT}/model.safetensors: asked for bytes 0 to 7, the server "
+            "answered 200, not 206 (partial content); it must serve HTTP range requests") in done.stderr
 
 
 def test_a_repo_of_bin_weights_says_to_convert_them(hub, tmp_path):

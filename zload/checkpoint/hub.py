@@ -115,24 +115,32 @@ class RemoteRepo:
 
     def _range(self, url: str, start: int, length: int) -> bytes:
         """Bytes ``[start, start + length)`` of the file at ``url``, asked for as huggingface_hub
-        asks for a header (its session, headers, token and timeout)."""
+        asks for a header (its session, headers, token and timeout). The answer is streamed and
+        read no further than asked: a server that ignores the range never sends the weights."""
         if not length:
             return b""
         from huggingface_hub import constants
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        def get():
+        def get() -> tuple[int, bytes]:
             asked = {**build_hf_headers(), "range": f"bytes={start}-{start + length - 1}"}
-            response = get_session().get(url, headers=asked, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
-            hf_raise_for_status(response)
-            return response
+            data = bytearray()
+            with get_session().stream("GET", url, headers=asked,
+                                      timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+                hf_raise_for_status(response)
+                for chunk in response.iter_bytes() if response.status_code == 206 else ():
+                    data += chunk
+                    if len(data) > length:
+                        break
+            return response.status_code, bytes(data)
 
-        response = self._asking(get)
-        if response.status_code != 206 or len(response.content) != length:
-            raise CheckpointError(f"{url}: asked for bytes {start} to {start + length - 1}, the server answered "
-                                  f"{response.status_code} with {len(response.content)} bytes; it must serve "
-                                  "HTTP range requests", path=url)
-        return response.content
+        status, data = self._asking(get)
+        if status != 206 or len(data) != length:
+            answer = (f"answered {status}, not 206 (partial content)" if status != 206 else
+                      f"sent {'more than ' if len(data) > length else ''}{len(data)} bytes")
+            raise CheckpointError(f"{url}: asked for bytes {start} to {start + length - 1}, the server {answer}; "
+                                  "it must serve HTTP range requests", path=url)
+        return data
 
     def _asking(self, call):
         """``call()``, any failure of huggingface_hub's a ``CheckpointError`` saying what to do."""
