@@ -216,9 +216,7 @@ def test_a_repo_of_bin_weights_says_to_convert_them(hub, tmp_path):
     assert "holds neither model.safetensors.index.json nor model.safetensors" in done.stderr
     assert "PyTorch .bin weights (pytorch_model.bin)" in done.stderr and ".save_pretrained(OUT)" in done.stderr
     assert "pytorch_model.bin" not in {name for name, _, _ in hub.served}
-
-
-def test_an_unknown_repo_is_named(hub, tmp_path):
+    # and a repo that does not exist is named as such
     done = _zload(hub, tmp_path / "cache", "plan", "org/missing", "-n", "2")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "cannot load 'org/missing'" in done.stderr and "no such repo on the Hub" in done.stderr

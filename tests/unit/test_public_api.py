@@ -63,7 +63,9 @@ def test_modules_meet_through_public_names():
 
 
 def test_the_lazy_package_gives_every_public_name():
-    code = ("import zload, sys; from zload import load_into, LoadReport, ZloadError; "
+    """``import zload`` imports torch only when a name that needs it is first used."""
+    code = ("import zload, sys; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from zload import load_into, LoadReport, ZloadError; "
             "assert 'torch' in sys.modules and zload.LoadReport is LoadReport; "
             "assert set(zload.__all__) <= set(dir(zload)); "
             "assert all(getattr(zload, n) is not None for n in zload.__all__); "
