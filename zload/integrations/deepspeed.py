@@ -26,6 +26,7 @@ import re
 import sys
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -158,34 +159,69 @@ def as_engine(model):
     return model
 
 
+@dataclass(frozen=True)
+class Masters:
+    """Where DeepSpeed keeps the fp32 master weights of a module's parameters (``masters_of``): a
+    write into the weights must refresh them, or the next optimizer step writes the old weights
+    back."""
+
+    optimizers: tuple = ()  # each refreshes all its masters (``refresh_fp32_params``)
+    fragments: tuple = ()  # ZeRO-1/2 parameters, each linked to its own fragment of the masters
+
+    def refresh(self) -> None:
+        """Every master <- the weight it is the master of (a local copy on each rank)."""
+        refreshing = [o for o in self.optimizers if hasattr(o, "refresh_fp32_params")]
+        for optimizer in refreshing:
+            optimizer.refresh_fp32_params()
+        if not refreshing and self.fragments:
+            from deepspeed.utils import safe_set_full_fp32_param
+
+            for param in self.fragments:
+                safe_set_full_fp32_param(param, param.data)
+
+
+def masters_of(module, engine) -> Masters | None:
+    """The fp32 masters of ``module``'s parameters: those of ``engine``'s optimizer where the
+    DeepSpeedEngine is passed; where its module is passed alone (``engine.module``, a Trainer's
+    ``trainer.model``), found by the links DeepSpeed's own ``safe_get_full_fp32_param`` follows from
+    a parameter: ZeRO-3's optimizer (``_z3_optimizer``), ZeRO-1/2's fragment of the masters
+    (``_hp_mapping``). None for a module no DeepSpeed optimizer holds. Not found alone: the masters
+    of an fp16/bf16 optimizer without ZeRO (stage 0), which link no parameter to them."""
+    params = list(module.parameters())
+    fragments = tuple(p for p in params if hasattr(p, "_hp_mapping"))
+    if engine is not None:
+        return Masters(() if engine.optimizer is None else (engine.optimizer,), fragments)
+    linked = {id(o): o for p in params if (o := getattr(p, "_z3_optimizer", None)) is not None}
+    return Masters(tuple(linked.values()), fragments) if linked or fragments else None
+
+
 @contextmanager
-def engine_writes(engine):
-    """Keep a live engine (or None) consistent around in-place writes into its (partitioned)
-    parameters.
+def engine_writes(masters: Masters | None):
+    """Keep the engine that keeps ``masters`` (None: no engine) consistent around in-place writes
+    into its (partitioned) parameters.
 
     ZeRO-3 needs persistent parameters partitioned first and re-gathered after; every optimizer
     that keeps fp32 masters (ZeRO-1/2/3, bf16, fp16) must refresh them, or its next step would
     write the old weights back.
     """
-    optimizer = getattr(engine, "optimizer", None)
-    prologue = getattr(optimizer, "checkpoint_event_prologue", None)
-    if prologue:
-        with collective():
-            prologue()  # partition persistent (replicated) parameters
+    zero3 = [o for o in getattr(masters, "optimizers", ()) if hasattr(o, "checkpoint_event_prologue")]
+    with collective():
+        for optimizer in zero3:
+            optimizer.checkpoint_event_prologue()  # partition persistent (replicated) parameters
     try:
         yield
     except PeerLostError:
         raise  # a peer is gone: no collective can set the engine right again
     except BaseException:
-        if prologue:
-            with collective():
+        with collective():
+            for optimizer in zero3:
                 optimizer.checkpoint_event_epilogue()
         raise
     with stage("updating the engine after the load", "The weights are written, but the engine's "
                "fp32 masters or persistent parameters may not be: do not train on with it."), collective():
-        if hasattr(optimizer, "refresh_fp32_params"):
-            optimizer.refresh_fp32_params()  # fp32 masters <- the weights just written
-        if prologue:
+        if masters is not None:
+            masters.refresh()  # fp32 masters <- the weights just written
+        for optimizer in zero3:
             optimizer.checkpoint_event_epilogue()  # drop hpZ secondaries, re-gather persistent params
 
 

@@ -23,7 +23,7 @@ from ..checkpoint.views import SharedIndex, Verify
 from ..collector import collector_paused
 from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, stage
 from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
-from ..integrations.deepspeed import convert_like, drop_secondary, engine_writes, flat_partition
+from ..integrations.deepspeed import Masters, convert_like, drop_secondary, engine_writes, flat_partition, masters_of
 from ..kernels import scatter_cast, zero_segment
 from ..model.init import is_unloaded, mark_loaded
 from ..model.names import KeyMap, match
@@ -224,8 +224,9 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
               staging_bytes: int = DEFAULT_STAGING_BYTES, verify: str = "sample") -> LoadReport:
     """Load a safetensors checkpoint into ``model`` in place, each rank reading only its bytes.
 
-    ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not) or a
-    ``DeepSpeedEngine``. ``path`` is a ``.safetensors`` file, an index ``.json``, or a directory
+    ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not), a
+    ``DeepSpeedEngine``, or an engine's module (``engine.module``, a Trainer's ``trainer.model``):
+    the engine's fp32 master weights are refreshed from what is loaded either way. ``path`` is a ``.safetensors`` file, an index ``.json``, or a directory
     holding ``model.safetensors`` or ``model.safetensors.index.json`` with its shards, or a Hub
     repo id (at ``revision``), downloaded once per node into the Hugging Face cache; or a
     DeepSpeed checkpoint (the folder ``engine.save_checkpoint`` wrote, or its ``global_stepN``),
@@ -246,12 +247,12 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
-    module, engine, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify)
-    planner = _LoadPlanner(module, engine is not None, strict, key_map, staging_bytes)
+    module, masters, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify)
+    planner = _LoadPlanner(module, masters is not None, strict, key_map, staging_bytes)
     with stage(f"indexing and planning the load of {path}", _UNCHANGED):
         source, shared, plan = open_agreed(path, revision, verify, arguments, planner)
     with shared.index:
-        moved = _execute(plan, shared, engine, module, source, staging_bytes, progress)
+        moved = _execute(plan, shared, masters, module, source, staging_bytes, progress)
 
     report = LoadReport(source=source, rank=rank, world_size=world, loaded=plan.loaded, missing=plan.missing,
                         unexpected=plan.unexpected, conversions=plan.conversions, repaired_orphans=plan.orphans,
@@ -264,15 +265,16 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
 
 
 def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tuple:
-    """(module, engine or None, path, ``Verify``, ``Arguments``) of a ``load_into`` call. The ranks
-    compare every argument but ``progress`` (a bar on rank 0 alone) and where ``path`` leads
-    (node-local copies may lie at different paths; their views are compared instead): the model and
-    a callable ``key_map`` by kind (what the model makes of the call is compared as the plans'
-    collectives), a mode by its string. An invalid argument is not raised here but once the ranks
+    """(module, its engine's ``Masters`` or None, path, ``Verify``, ``Arguments``) of a ``load_into``
+    call. The ranks compare every argument but ``progress`` (a bar on rank 0 alone) and where
+    ``path`` leads (node-local copies may lie at different paths; their views are compared
+    instead): the model and a callable ``key_map`` by kind (what the model makes of the call is
+    compared as the plans' collectives), a mode by its string. An invalid argument is not raised here but once the ranks
     know they all passed it."""
-    module = engine = invalid = None
+    module = engine = masters = invalid = None
     try:
         module, engine = unwrap(model)
+        masters = masters_of(module, engine)
     except ArgumentTypeError as e:
         invalid = e
     try:
@@ -298,15 +300,15 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tupl
         if isinstance(key_map, Mapping) else plain(key_map)
     values = {"model": model_kind, "path": kind(path), "strict": plain(strict), "key_map": key_map_kind,
               "revision": plain(revision), "staging_bytes": plain(staging_bytes), "verify": plain(verify)}
-    return module, engine, path, verify, Arguments("load_into", values, invalid)
+    return module, masters, path, verify, Arguments("load_into", values, invalid)
 
 
-def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, staging_bytes: int,
-             progress: bool | None) -> Moved:
+def _execute(plan: LoadPlan, shared: SharedIndex, masters: Masters | None, module, source: str,
+             staging_bytes: int, progress: bool | None) -> Moved:
     """Everything that writes into the model; what it moved on this rank."""
     dests = _destinations(plan)
     moved = Moved()
-    with engine_writes(engine):
+    with engine_writes(masters):
         for byte_source in _byte_sources(plan, shared, source, staging_bytes, progress):
             with stage(byte_source.stage, _PARTLY):
                 moved += byte_source.deliver(dests)

@@ -23,6 +23,7 @@ import torch
 from ..collector import collector_paused
 from ..distributed import agree, exchange, problems_of, rank_and_world, stage
 from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
+from ..integrations.deepspeed import Masters, masters_of
 from ..loading.execute import DEFAULT_STAGING_BYTES
 from ..model.targets import collect_targets, unwrap
 from ..report import SaveReport, brief
@@ -45,7 +46,8 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     Every parameter (trainable or frozen) and persistent buffer is written at full shape, tied
     weights once. No rank gathers anything: each writes its own partitions, in pieces of at most
     ``staging_bytes``. ``dtype`` (a ``torch.dtype`` or its name) converts on the way;
-    ``master_weights`` writes a live engine's fp32 master weights of trainable parameters.
+    ``master_weights`` writes the fp32 master weights a ZeRO-3 engine keeps of trainable parameters
+    (``model`` being the engine or its module).
     ``shared_filesystem=None`` detects whether all ranks see the same folder; if not, ranks stream
     their slices to rank 0. Must be called by every rank.
     Only zload's own files in ``path`` are written or removed (see ``zload.savedir``); a checkpoint
@@ -59,7 +61,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
         staging_bytes = buffer_bytes
     started = time.perf_counter()
     module, engine = unwrap(model)
-    sink = _ModelSink(module, engine is not None, dtype, master_weights, max_shard_size, staging_bytes)
+    sink = _ModelSink(module, masters_of(module, engine), dtype, master_weights, max_shard_size, staging_bytes)
     report, notes = write_checkpoint(os.path.abspath(os.fspath(path)), sink, shared_filesystem, started)
     for note in notes:  # point at the caller's save() line
         warnings.warn(note, ZloadWarning, stacklevel=3)
@@ -91,15 +93,20 @@ class _ModelSink:
     transformers conversion is no byte layout, gathered and converted on one rank."""
 
     module: torch.nn.Module
-    live_engine: bool
+    masters: Masters | None
     dtype: torch.dtype | str | None
     master_weights: bool
     max_shard_size: int | str
     staging_bytes: int
 
     def plan(self) -> save_plan.SavePlan:
-        if self.master_weights and not self.live_engine:
-            raise ArgumentTypeError("master_weights=True needs the DeepSpeedEngine, not its module")
+        if self.master_weights and self.masters is None:
+            raise ArgumentTypeError("master_weights=True: no DeepSpeed optimizer keeps fp32 master weights of this "
+                                    "model; pass the DeepSpeedEngine, or its module, after deepspeed.initialize")
+        if self.master_weights and self.masters.fragments:
+            raise ArgumentValueError("master_weights=True: zload saves the fp32 masters of ZeRO-3 only, and this "
+                                     "engine's are ZeRO-1/2's; save its 16-bit weights (master_weights=False), or "
+                                     "its engine.save_checkpoint folder with zload.convert")
         dtype = torch.float32 if self.master_weights and self.dtype is None else _dtype(self.dtype)
         return save_plan.make_save_plan(self.module, collect_targets(self.module, live_engine=True), dtype,
                                         self.max_shard_size, *rank_and_world())
