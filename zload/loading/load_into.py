@@ -226,11 +226,12 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
 
     ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not), a
     ``DeepSpeedEngine``, or an engine's module (``engine.module``, a Trainer's ``trainer.model``):
-    the engine's fp32 master weights are refreshed from what is loaded either way. ``path`` is a ``.safetensors`` file, an index ``.json``, or a directory
-    holding ``model.safetensors`` or ``model.safetensors.index.json`` with its shards, or a Hub
-    repo id (at ``revision``), downloaded once per node into the Hugging Face cache; or a
-    DeepSpeed checkpoint (the folder ``engine.save_checkpoint`` wrote, or its ``global_stepN``),
-    saved at any world size, whose fp32 master weights are read from the saved partitions.
+    the engine's fp32 master weights are refreshed from what is loaded either way. ``path`` is a
+    ``.safetensors`` file, an index ``.json``, or a directory holding ``model.safetensors`` or
+    ``model.safetensors.index.json`` with its shards, or a Hub repo id (at ``revision``),
+    downloaded once per node into the Hugging Face cache; or a DeepSpeed checkpoint (the folder
+    ``engine.save_checkpoint`` wrote, or its ``global_stepN``), saved at any world size, whose fp32
+    master weights are read from the saved partitions.
     With ``strict`` model tensors missing from the checkpoint are an error; checkpoint tensors the
     model lacks are only reported. ``key_map`` renames checkpoint tensors before matching: a dict
     of regex -> replacement applied in order, or a callable (returning None drops a tensor).
