@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 import sys
 import warnings
 from contextlib import contextmanager
@@ -269,8 +270,39 @@ def config_model(section: str):
 
 
 def make_zero_init(config, dtype, **kwargs):
-    """``deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, **kwargs)``."""
+    """``deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, **kwargs)``, in a world of
+    one process where no launcher started this one (``join_world_of_one``)."""
+    join_world_of_one()
     return _deepspeed().zero.Init(config_dict_or_path=config, dtype=dtype, **kwargs)
+
+
+# What a launcher leaves in a process's environment: torchrun's and the DeepSpeed launcher's
+# variables; MPI's, Azure ML's and SageMaker's, from which DeepSpeed finds the world itself.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_SIZE",
+                      "PMI_SIZE", "PMIX_RANK", "AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV")
+
+
+def launched() -> bool:
+    """Whether a launcher started this process (one of ``LAUNCHER_VARIABLES`` is set, or Slurm
+    runs several tasks): then its world is the launcher's to define."""
+    return any(v in os.environ for v in LAUNCHER_VARIABLES) or os.environ.get("SLURM_NTASKS", "1") != "1"
+
+
+def join_world_of_one() -> None:
+    """A script started with plain ``python`` (no process group, no launcher) gets a process group
+    of one, set up as torchrun sets up one process: its variables (a free port on 127.0.0.1), then
+    DeepSpeed's ``init_distributed``, which without them would look for an MPI world (and fail
+    without ``mpi4py``)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() or launched():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    _deepspeed().init_distributed(verbose=False)
 
 
 def library_dir() -> str:

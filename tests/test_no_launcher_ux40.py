@@ -1,0 +1,65 @@
+"""A script started with plain ``python``: no torchrun, no process group. ``zload.init`` makes a
+world of one, as torchrun would for one process, and ``load_into`` and ``save`` work in it; under a
+launcher the world is the launcher's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from zload.integrations import deepspeed as ds
+
+from tests.checkpoints import read_all
+from tests.zero3 import assert_bit_equal
+
+REPO = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+import zload
+
+folder = sys.argv[1]
+config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+with zload.init(config):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+zload.load_into(model, folder + "/model.safetensors")
+zload.save(model, folder + "/saved")
+print("world", dist.get_rank(), dist.get_world_size(), dist.get_backend())
+"""
+
+
+def test_a_script_run_with_plain_python_loads_and_saves_in_a_world_of_one(tmp_path):
+    torch.manual_seed(0)
+    state = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).state_dict()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "script.py").write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ds.LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "world 0 1 gloo" in done.stdout
+    saved = read_all(tmp_path / "saved")
+    assert sorted(saved) == sorted(state)
+    for name, tensor in state.items():
+        assert_bit_equal(saved[name], tensor.to(torch.bfloat16), name)
+
+
+@pytest.mark.parametrize("variable,value", [("MASTER_PORT", "29500"), ("OMPI_COMM_WORLD_SIZE", "4"),
+                                            ("SLURM_NTASKS", "8")])
+def test_a_launched_process_is_left_to_its_launcher(monkeypatch, variable, value):
+    """Never a world of one where a launcher may have started several processes."""
+    for name in (*ds.LAUNCHER_VARIABLES, "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(ds, "_deepspeed", lambda: pytest.fail("a world was made for a launched process"))
+    monkeypatch.setenv(variable, value)
+    ds.join_world_of_one()
+    assert os.environ.get("RANK") is None
