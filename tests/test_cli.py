@@ -134,7 +134,7 @@ def test_counts_of_one_are_singular(tmp_path, capsys):
     report = zload.save(torch.nn.Linear(2, 1, bias=False), tmp_path / "one")
     assert f"saved {tmp_path / 'one'} (1 file, " in str(report)
     loaded = zload.load_into(torch.nn.Linear(2, 1, bias=False), tmp_path / "one")
-    assert str(loaded).startswith("zload: loaded 1 tensor from ")
+    assert str(loaded).startswith("loaded 1 tensor from ")
     assert run(capsys, "validate", tmp_path / "one")[1].endswith(" in 1 file)\n")
 
 

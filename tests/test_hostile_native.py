@@ -135,7 +135,7 @@ def test_latest_naming_no_tag_folder_inside(ckpt, tag):
     (ckpt.folder / "latest").write_text(tag)
     kind, message, path, _ = refused(ckpt.folder)
     latest = str(ckpt.folder / "latest")
-    assert message.startswith(f"zload: cannot load {ckpt.folder}") and f"{latest}:" in message
+    assert message.startswith(f"cannot load {ckpt.folder}") and f"{latest}:" in message
     if tag in ("zero_to_fp32.py", "global_step9"):
         assert kind == "CheckpointNotFoundError" and f"names the tag '{tag}'" in message and "is not a folder" in message
     elif len(tag) > 4096:

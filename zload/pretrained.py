@@ -47,7 +47,7 @@ def from_pretrained(model_class, path_or_repo_id: str | os.PathLike, ds_config, 
         return checked
 
     checked, problems = problems_of("checking ds_config", check_ds_config)
-    agree(problems, "zload: cannot build a model with this ds_config")
+    agree(problems, "cannot build a model with this ds_config")
     concrete = isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)
     if not concrete and not (isinstance(model_class, type) and hasattr(model_class, "from_config")):
         raise ArgumentTypeError(f"model_class={model_class!r}: expected a transformers PreTrainedModel class "
@@ -69,7 +69,7 @@ def from_pretrained(model_class, path_or_repo_id: str | os.PathLike, ds_config, 
         return config
 
     config, problems = problems_of(f"reading the config of {path}", read_config)
-    agree(problems, f"zload: cannot build a model from {path}")
+    agree(problems, f"cannot build a model from {path}")
     dtype = _parameter_dtype(dtype, checked, config)
     config.name_or_path = path
     # transformers' own zero.Init path keeps zero.Init from casting torch.arange (RoPE buffers) too

@@ -29,6 +29,11 @@ def ranks_named(ranks) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shortened([str(r) for r in ranks])}"
 
 
+def ranks_listed(ranks) -> str:
+    """``[0, 2]`` -> ``"[0, 2]"``; of many ranks the first few, and how many more."""
+    return f"[{shortened([str(r) for r in ranks])}]"
+
+
 def shortened(names: list[str], limit: int = 8, sep: str = ", ") -> str:
     """The first ``limit`` names, and how many more there are."""
     shown = sep.join(names[:limit])
@@ -67,7 +72,7 @@ class LoadReport:
         rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
         share = self.bytes_read / self.checkpoint_bytes if self.checkpoint_bytes else 0.0
         lines = [
-            f"zload: loaded {plural(len(self.loaded), 'tensor')} from {self.source} on rank {self.rank}/"
+            f"loaded {plural(len(self.loaded), 'tensor')} from {self.source} on rank {self.rank}/"
             f"{self.world_size} in {self.seconds:.3f} s",
             f"  read {self.bytes_read / 1e6:.2f} MB ({share:.1%} of {self.checkpoint_bytes / 1e6:.2f} MB"
             f" checkpoint) at {rate:.2f} GB/s",
@@ -97,5 +102,5 @@ class SaveReport:
     seconds: float
 
     def __str__(self) -> str:
-        return (f"zload: saved {self.path} ({plural(len(self.files), 'file')}, {self.total_bytes / 1e6:.2f} MB); "
+        return (f"saved {self.path} ({plural(len(self.files), 'file')}, {self.total_bytes / 1e6:.2f} MB); "
                 f"this rank wrote {self.bytes_written / 1e6:.2f} MB in {self.seconds:.3f} s")

@@ -11,7 +11,7 @@ The installed DeepSpeed's version is checked once per process, at zload's first 
 (importing zload imports no DeepSpeed): zload is tested with DeepSpeed 0.19.x (0.19.8), and
 refuses a release older than 0.19.3 (``UnsupportedEnvironmentError``), the first that has the
 ``Init._partition_world_size`` that ``zload.init`` calls. From 0.20 on it warns (``ZloadWarning``)
-once and goes on: the internals it uses may well still be there.
+once per node and goes on: the internals it uses may well still be there.
 
 Geometry that mirrors DeepSpeed's arithmetic without touching its objects
 (``checkpoint.partition``) and the reading of DeepSpeed's checkpoint files (``checkpoint.native``)
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed import collective, stage
+from ..distributed import collective, speaks_for_node, stage
 from ..errors import PeerLostError, UnsupportedEnvironmentError, ZloadWarning
 
 MINIMUM_VERSION = (0, 19, 3)  # the first release with every internal used here
@@ -42,10 +42,12 @@ _TESTED = f"zload is tested with DeepSpeed 0.19.x ({TESTED_VERSION})"
 
 def check_version(version: str) -> None:
     """Refuse a DeepSpeed ``version`` older than ``MINIMUM_VERSION``; warn about one from
-    ``UNTESTED_FROM`` on, or one whose number cannot be read (a local build)."""
+    ``UNTESTED_FROM`` on, or one whose number cannot be read (a local build), once per node (the
+    DeepSpeed installed is the node's)."""
     number = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
     if number is None:
-        warnings.warn(f"zload: cannot read DeepSpeed's version {version!r}; {_TESTED}", ZloadWarning, stacklevel=2)
+        if speaks_for_node():
+            warnings.warn(f"cannot read DeepSpeed's version {version!r}; {_TESTED}", ZloadWarning, stacklevel=2)
         return
     release = tuple(int(part or 0) for part in number.groups())
     minimum, untested = (".".join(map(str, v)) for v in (MINIMUM_VERSION, UNTESTED_FROM))
@@ -53,8 +55,8 @@ def check_version(version: str) -> None:
         raise UnsupportedEnvironmentError(
             f"DeepSpeed {version} is installed, but zload needs DeepSpeed {minimum} or later: it uses DeepSpeed "
             f"internals that {minimum} introduced, and {_TESTED}. Upgrade it: pip install 'deepspeed>={minimum}'")
-    if release[:2] >= UNTESTED_FROM:
-        warnings.warn(f"zload: DeepSpeed {version} is installed, and {_TESTED}: zload uses DeepSpeed internals "
+    if release[:2] >= UNTESTED_FROM and speaks_for_node():
+        warnings.warn(f"DeepSpeed {version} is installed, and {_TESTED}: zload uses DeepSpeed internals "
                       f"that may have changed since. If a load or save fails, install a tested DeepSpeed: "
                       f"pip install 'deepspeed>={minimum},<{untested}'", ZloadWarning, stacklevel=2)
 

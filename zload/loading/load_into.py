@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -21,8 +20,8 @@ from ..checkpoint.files import FileTable
 from ..checkpoint.quantized import FP8
 from ..checkpoint.views import SharedIndex, Verify
 from ..collector import collector_paused
-from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, stage
-from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
+from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, speaks_for_all, stage, warn_for_all
+from ..errors import ArgumentTypeError, ArgumentValueError
 from ..integrations.deepspeed import Masters, convert_like, drop_secondary, engine_writes, flat_partition, masters_of
 from ..kernels import scatter_cast, zero_segment
 from ..model.init import is_unloaded, mark_loaded
@@ -140,7 +139,7 @@ class ByteSource(Protocol):
 
 
 def _failed(source: str) -> str:
-    return f"zload: loading {source} failed part-way; the model is partly written"
+    return f"loading {source} failed part-way; the model is partly written"
 
 
 @dataclass(frozen=True)
@@ -261,7 +260,8 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
                         bytes_sent=moved.sent, bytes_received=moved.received,
                         checkpoint_bytes=plan.checkpoint_bytes, seconds=time.perf_counter() - started)
     _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
-    logger.info("%s", report)
+    if speaks_for_all():
+        logger.info("%s", report)
     return report
 
 
@@ -320,19 +320,18 @@ def _execute(plan: LoadPlan, shared: SharedIndex, masters: Masters | None, modul
 
 
 def _warn(report: LoadReport, never_loaded: list[str]) -> None:
-    """Warnings point at the caller's ``load_into`` line: _warn, load_into, the collector_paused
-    wrapper, the caller (stacklevel 4)."""
+    """Warnings about the model and the checkpoint, the same on every rank (rank 0 tells them),
+    pointing at the caller's ``load_into`` line: _warn, load_into, the collector_paused wrapper,
+    the caller (stacklevel 4)."""
     if never_loaded:
-        warnings.warn(f"zload: {len(never_loaded)} parameters built by zload.init were never loaded: they "
-                      f"hold zeros or their constructor's values, not weights: {shortened(never_loaded, 20)}",
-                      ZloadWarning, stacklevel=4)
+        warn_for_all(f"{len(never_loaded)} parameters built by zload.init were never loaded: they hold zeros "
+                     f"or their constructor's values, not weights: {shortened(never_loaded, 20)}", stacklevel=4)
     if report.unexpected:
-        warnings.warn(f"zload: {len(report.unexpected)} checkpoint tensors are not in the model and "
-                      f"were skipped: {shortened(report.unexpected, 20)}", ZloadWarning, stacklevel=4)
+        warn_for_all(f"{len(report.unexpected)} checkpoint tensors are not in the model and were skipped: "
+                     f"{shortened(report.unexpected, 20)}", stacklevel=4)
     if report.missing:
-        warnings.warn(f"zload: {len(report.missing)} model tensors are not in the checkpoint and "
-                      f"were left as they were: {shortened(report.missing, 20)}", ZloadWarning,
-                      stacklevel=4)
-    for name in report.repaired_orphans:
-        warnings.warn(f"zload: '{name}' was a plain [0]-shaped parameter (re-created after zero.Init); "
-                      "loaded it and converted it to a ZeRO-3 parameter", ZloadWarning, stacklevel=4)
+        warn_for_all(f"{len(report.missing)} model tensors are not in the checkpoint and were left as they "
+                     f"were: {shortened(report.missing, 20)}", stacklevel=4)
+    if report.repaired_orphans:
+        warn_for_all(f"{shortened(report.repaired_orphans, 20)}: plain [0]-shaped parameters (re-created after "
+                     "zero.Init); loaded and converted to ZeRO-3 parameters", stacklevel=4)
