@@ -245,7 +245,7 @@ def raise_for(gathered: list[list[Problem]], what: str) -> None:
 
 def _seen_by(ranks: list[int], world: int) -> str:
     """``"[rank 1, 3] "`` (the first few of many), or nothing when every rank saw a problem."""
-    return "" if len(ranks) == world else f"[rank {shortened([str(r) for r in ranks])}] "
+    return "" if len(ranks) == world else f"[rank {shortened(ranks)}] "
 
 
 def problems_of(doing: str, call) -> tuple[object, list[Problem]]:

@@ -4,6 +4,7 @@ keep every message short whatever the input holds."""
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _NESTED = reprlib.Repr()  # keyword arguments only from Python 3.12
@@ -26,18 +27,20 @@ def plural(n: int, word: str) -> str:
 
 def ranks_named(ranks) -> str:
     """``[1]`` -> ``"rank 1"``, ``[0, 2]`` -> ``"ranks 0, 2"`` (the first few of many)."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {shortened([str(r) for r in ranks])}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {shortened(ranks)}"
 
 
 def ranks_listed(ranks) -> str:
     """``[0, 2]`` -> ``"[0, 2]"``; of many ranks the first few, and how many more."""
-    return f"[{shortened([str(r) for r in ranks])}]"
+    return f"[{shortened(ranks)}]"
 
 
-def shortened(names: list[str], limit: int = 8, sep: str = ", ") -> str:
-    """The first ``limit`` names, and how many more there are."""
-    shown = sep.join(names[:limit])
-    return shown + (f"{sep}... ({len(names) - limit} more)" if len(names) > limit else "")
+def shortened(names: Sequence, limit: int = 8, sep: str = ", ", total: int | None = None) -> str:
+    """The first ``limit`` names, and how many more there are: of ``total`` where ``names`` holds
+    only the first. Only those shown are read: ``names`` may be a ``range`` a hostile count made."""
+    total = len(names) if total is None else total
+    shown = sep.join(map(str, names[:limit]))
+    return shown + (f"{sep}... ({total - limit} more)" if total > limit else "")
 
 
 @dataclass(kw_only=True)  # fourteen fields: built by name, never by position

@@ -891,10 +891,9 @@ def _rank_files(folder: str, names: list[str], pattern: re.Pattern, what: str) -
         found[rank] = name
     if sorted(found) != list(range(len(found))):
         # the first few missing, and how many more: a name may say rank 10**12, too many to list
-        first = [rank for rank in range(min(max(found), len(found) + 8)) if rank not in found][:8]
-        more = max(found) + 1 - len(found) - len(first)
-        missing = f"[{', '.join(map(str, first))}{f', ... ({more} more)' if more else ''}]"
-        raise CheckpointNotFoundError(f"{folder}: the {what} of rank(s) {missing} are missing (a save that did "
+        first = [rank for rank in range(min(max(found), len(found) + 8)) if rank not in found]
+        missing = shortened(first, total=max(found) + 1 - len(found))
+        raise CheckpointNotFoundError(f"{folder}: the {what} of rank(s) [{missing}] are missing (a save that did "
                                       "not finish, or files not copied from every node)", path=folder)
     return found
 
