@@ -97,6 +97,8 @@ def test_the_deepspeed_installed_is_warned_about_by_each_nodes_first_rank(tmp_pa
     on_one_node = run_world(2, _newer_deepspeed_body, path, 1)
     assert len(on_one_node[0]) == 1 and "DeepSpeed 0.20.1 is installed" in on_one_node[0][0], on_one_node
     assert on_one_node[1] == [], "rank 1 shares rank 0's node and its DeepSpeed"
+    shown = on_one_node[0][0].split(": ", 1)[1]  # after the file and line: ZloadWarning: ...
+    assert shown.lower().count("zload") == 1, shown
     on_two_nodes = run_world(2, _newer_deepspeed_body, path, 2)
     assert on_two_nodes[0] == [], "rank 0's node has a tested DeepSpeed"
     assert len(on_two_nodes[1]) == 1 and "DeepSpeed 0.20.1 is installed" in on_two_nodes[1][0], on_two_nodes

@@ -37,7 +37,7 @@ from ..errors import PeerLostError, UnsupportedEnvironmentError, ZloadWarning
 MINIMUM_VERSION = (0, 19, 3)  # the first release with every internal used here
 TESTED_VERSION = "0.19.8"  # the release the test suite runs
 UNTESTED_FROM = (0, 20)  # the first minor release not tested: warned about, not refused
-_TESTED = f"zload is tested with DeepSpeed 0.19.x ({TESTED_VERSION})"
+_TESTED = f"DeepSpeed 0.19.x ({TESTED_VERSION})"  # what this release is tested with
 
 
 def check_version(version: str) -> None:
@@ -47,18 +47,20 @@ def check_version(version: str) -> None:
     number = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
     if number is None:
         if speaks_for_node():
-            warnings.warn(f"cannot read DeepSpeed's version {version!r}; {_TESTED}", ZloadWarning, stacklevel=2)
+            warnings.warn(f"cannot read DeepSpeed's version {version!r}; this release is tested with {_TESTED}",
+                          ZloadWarning, stacklevel=2)
         return
     release = tuple(int(part or 0) for part in number.groups())
     minimum, untested = (".".join(map(str, v)) for v in (MINIMUM_VERSION, UNTESTED_FROM))
     if release < MINIMUM_VERSION:
         raise UnsupportedEnvironmentError(
             f"DeepSpeed {version} is installed, but zload needs DeepSpeed {minimum} or later: it uses DeepSpeed "
-            f"internals that {minimum} introduced, and {_TESTED}. Upgrade it: pip install 'deepspeed>={minimum}'")
+            f"internals that {minimum} introduced, and is tested with {_TESTED}. Upgrade it: "
+            f"pip install 'deepspeed>={minimum}'")
     if release[:2] >= UNTESTED_FROM and speaks_for_node():
-        warnings.warn(f"DeepSpeed {version} is installed, and {_TESTED}: zload uses DeepSpeed internals "
-                      f"that may have changed since. If a load or save fails, install a tested DeepSpeed: "
-                      f"pip install 'deepspeed>={minimum},<{untested}'", ZloadWarning, stacklevel=2)
+        warnings.warn(f"DeepSpeed {version} is installed, and this release is tested with {_TESTED}: the DeepSpeed "
+                      "internals it uses may have changed since. If a load or save fails, install a tested "
+                      f"DeepSpeed: pip install 'deepspeed>={minimum},<{untested}'", ZloadWarning, stacklevel=2)
 
 
 @functools.cache
