@@ -28,7 +28,7 @@ def fp8_copy(bf16_folder: str) -> str:
     """The FP8 copy of ``bf16_folder`` (written once, beside it)."""
     from pathlib import Path
 
-    from tests.fp8_checkpoints import write_fp8
+    from tests.support.fp8_checkpoints import write_fp8
 
     folder = bf16_folder + "-fp8-128x128"
     if not os.path.exists(os.path.join(folder, "config.json")):
@@ -80,7 +80,7 @@ def main() -> None:
     ensure_checkpoint(bf16, config, SHARD)
     folders = {"bf16": bf16, "fp8": fp8_copy(bf16)}
     output = 2 * sum(p for p in _parameter_counts(config))
-    from tests.harness import close_worlds, run_world
+    from tests.support.harness import close_worlds, run_world
 
     try:
         for world in args.world:

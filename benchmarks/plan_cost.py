@@ -63,10 +63,13 @@ def import_revision(revision: str, into: str) -> str:
 
 def stage_seconds(package: str, folder: str, model) -> dict[str, float]:
     """Each stage's seconds for one run of ``package``'s zload on ``folder`` and ``model``."""
-    def part(module):
-        return importlib.import_module(f"{package}.{module}")
+    def part(module):  # older revisions kept every module at the top
+        try:
+            return importlib.import_module(f"{package}.{module}")
+        except ModuleNotFoundError:
+            return importlib.import_module(f"{package}.{module.rpartition('.')[2]}")
 
-    checkpoint, digest, execute = part("checkpoint"), part("digest"), part("execute")
+    checkpoint, digest, execute = part("checkpoint.open"), part("checkpoint.digest"), part("loading.execute")
     seconds, clock = {}, time.perf_counter
 
     started = clock()
@@ -78,15 +81,15 @@ def stage_seconds(package: str, folder: str, model) -> dict[str, float]:
         digest.sample_digests([(f.fd, f.data_start, f.identity.size) for f in opened])
         seconds["sample"] = clock() - started
         started = clock()
-        targets = part("targets").collect_targets(model)
+        targets = part("model.targets").collect_targets(model)
         seconds["targets"] = clock() - started
         started = clock()
-        matching = part("names").match(index, targets, model, None, part("quantized").read_quantization(index.root))
+        matching = part("model.names").match(index, targets, model, None, part("checkpoint.quantized").read_quantization(index.root))
         seconds["match"] = clock() - started
         started = clock()
-        plan = part("plan").make_plan(index, targets, strict=True, matching=matching)
+        plan = part("loading.plan").make_plan(index, targets, strict=True, matching=matching)
         seconds["plan"] = clock() - started
-        destinations = part("load")._destinations(plan)
+        destinations = part("loading.load_into")._destinations(plan)
         started = clock()
         reader = execute._Reader(index.opened, destinations, execute.DEFAULT_STAGING_BYTES, 1 << 20)
         for item in sorted(plan.items, key=lambda i: (i.file, i.offset)):

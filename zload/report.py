@@ -43,7 +43,7 @@ def shortened(names: Sequence, limit: int = 8, sep: str = ", ", total: int | Non
     return shown + (f"{sep}... ({total - limit} more)" if total > limit else "")
 
 
-@dataclass(kw_only=True)  # fourteen fields: built by name, never by position
+@dataclass(kw_only=True)  # fifteen fields: built by name, never by position
 class LoadReport:
     """The outcome of ``load_into`` on one rank.
 
@@ -53,7 +53,8 @@ class LoadReport:
     checkpoint conversion on one rank and sent to the others; ``bytes_read`` counts file bytes this
     rank read, which for ZeRO-3 parameters is only its own partitions (plus, for node-local
     checkpoints, the ranges it read for ranks that lack a file: ``bytes_sent`` to them, and
-    ``bytes_received`` from others for the files it lacks).
+    ``bytes_received`` from others for the files it lacks). ``newly_initialized``: the parameters
+    ``from_pretrained`` initialised because the checkpoint lacks them (they are also ``missing``).
     """
 
     source: str
@@ -65,6 +66,7 @@ class LoadReport:
     conversions: dict[str, list[str]] = field(default_factory=dict)
     repaired_orphans: list[str] = field(default_factory=list)
     slow_path: list[str] = field(default_factory=list)
+    newly_initialized: list[str] = field(default_factory=list)
     bytes_read: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -85,7 +87,8 @@ class LoadReport:
                          f"{self.bytes_received / 1e6:.2f} MB")
         for label, names in (("missing", self.missing), ("unexpected", self.unexpected),
                              ("repaired orphans", self.repaired_orphans),
-                             ("converted on one rank (slow path)", self.slow_path)):
+                             ("converted on one rank (slow path)", self.slow_path),
+                             ("newly initialized", self.newly_initialized)):
             if names:
                 lines.append(f"  {label} ({len(names)}): {shortened(names)}")
         for pair, names in self.conversions.items():

@@ -247,9 +247,11 @@ def full_master(param) -> torch.Tensor | None:
     return safe_get_full_fp32_param(param)
 
 
-def gathered_parameters(params):
-    """DeepSpeed's ``GatheredParameters``: ``params`` whole on every rank while active."""
-    return _deepspeed().zero.GatheredParameters(params)
+def gathered_parameters(params, modifier_rank: int | None = None):
+    """DeepSpeed's ``GatheredParameters``: ``params`` whole on every rank while active; with
+    ``modifier_rank``, what that rank wrote into them is broadcast and partitioned on exit (a
+    collective even where the body raised)."""
+    return _deepspeed().zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
 
 # ---- the config

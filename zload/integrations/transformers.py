@@ -194,3 +194,31 @@ def skip_weight_init(stack: ExitStack, skipping: Callable) -> None:
         stack.enter_context(mock.patch.object(modeling.PreTrainedModel, "initialize_weights", lambda self: None))
 
 
+def hidden_size_of(config) -> int | None:
+    """The hidden size transformers' Trainer sizes a DeepSpeed config by (``hidden_size``, else the
+    largest of ``hidden_sizes``, else those of ``text_config``), or None where the config has none."""
+    for owner in (config, getattr(config, "text_config", None)):
+        if hasattr(owner, "hidden_size"):
+            return owner.hidden_size
+        if hasattr(owner, "hidden_sizes"):
+            return max(owner.hidden_sizes)
+    return None
+
+
+def initialize_missing(model, params: Collection) -> None:
+    """Initialise ``params`` (parameters of ``model`` that its checkpoint lacked, whole while this
+    runs) as transformers' ``from_pretrained`` initialises missing weights: every other parameter
+    and buffer is marked initialised (``_is_hf_initialized``), and ``model.initialize_weights()``
+    runs the model's own ``_init_weights``, whose init functions skip what is marked. So the random
+    draws are those transformers makes, in its order, from the same generator. A module is visited
+    only if it or a child of it holds one of ``params`` (``_init_weights`` may set a child's): on
+    any other, a ZeRO-3 parameter is an empty partition that its ``_init_weights`` might index."""
+    wanted = {id(p) for p in params}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in wanted:
+            tensor._is_hf_initialized = True
+    for module in model.modules():
+        near = (p for m in (module, *module.children()) for p in m.parameters(recurse=False))
+        if not any(id(p) in wanted for p in near):
+            module._is_hf_initialized = True
+    model.initialize_weights()

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Protocol
 
@@ -220,7 +220,8 @@ _PARTLY = "The model is partly written: load it again before using it."
 @collector_paused()
 def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: KeyMap | None = None,
               revision: str | None = None, progress: bool | None = None,
-              staging_bytes: int = DEFAULT_STAGING_BYTES, verify: str = "sample") -> LoadReport:
+              staging_bytes: int = DEFAULT_STAGING_BYTES, verify: str = "sample",
+              _initialises_missing: bool = False) -> LoadReport:
     """Load a safetensors checkpoint into ``model`` in place, each rank reading only its bytes.
 
     ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not), a
@@ -244,6 +245,8 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     ``progress``, and ``path`` where nodes hold their own copies) and models built the same way;
     otherwise every rank raises ``ArgumentValueError`` or ``PlanError``. Raises ``ZloadError`` (the
     same on every rank) and leaves the model untouched when the checkpoint does not fit the model.
+    (``_initialises_missing``: the caller, ``from_pretrained``, initialises what is missing and
+    warns about it; this call does not.)
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
@@ -259,7 +262,10 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
                         slow_path=[plan.targets[i].name for i in plan.slow], bytes_read=moved.read,
                         bytes_sent=moved.sent, bytes_received=moved.received,
                         checkpoint_bytes=plan.checkpoint_bytes, seconds=time.perf_counter() - started)
-    _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
+    if _initialises_missing:
+        _warn(replace(report, missing=[]), [])
+    else:
+        _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
     if speaks_for_all():
         logger.info("%s", report)
     return report

@@ -11,9 +11,16 @@ backend" for weight quantization before zload can refuse it. ``read_ds_config`` 
 - the sections zload reads too (ZeRO, ``bf16``/``bfloat16``/``fp16``, weight quantization) are
   parsed by DeepSpeed's own models, so they accept exactly what DeepSpeed accepts, including its
   reading of a key set to "auto" in them as the default; their errors name the key;
-- the batch sizes, on which DeepSpeed does arithmetic, are numbers above 0, and one of the two
-  it asks for is there. "auto" there, which transformers' Trainer fills in, is refused with a
-  message saying zload does not resolve it yet.
+- the batch sizes, on which DeepSpeed does arithmetic, are numbers above 0 or "auto", and one of
+  the two it asks for is there.
+
+``resolve_auto`` then fills in the "auto" values of what zero.Init parses, as transformers'
+Trainer does (``HfTrainerDeepSpeedConfig``), so that the config a Trainer takes builds too:
+DeepSpeed itself compares an "auto" batch size with 0 and fails with a ``TypeError``, and reads an
+"auto" bucket size or persistence threshold as its own default, not as the value the Trainer's
+engine will use (DeepSpeed 0.19.8's zero.Init reads none of these three; the engine decides which
+parameters stay whole). "auto" in what zero.Init does not read (optimizer, scheduler,
+``gradient_clipping``) is left to the Trainer; DeepSpeed's parser takes it as it is.
 
 Keys that neither zload nor the building reads are left to DeepSpeed. A file is read as strict
 JSON (``index.read_json_file``: bounded, regular files only), once: callers pass the dict on to
@@ -27,7 +34,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..checkpoint.index import read_json_file
 from ..errors import ArgumentTypeError, ArgumentValueError, CheckpointError
@@ -47,6 +54,12 @@ _EXAMPLES = {"zero_optimization": '{"stage": 3}', "bf16": '{"enabled": true}', "
 # Ulysses sequence-parallel size it divides the world size by)
 _COUNTS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
            "sequence_parallel_size")
+_BATCH_SIZES = _COUNTS[:3]  # the ones transformers' Trainer fills in
+# the ZeRO keys transformers' Trainer sets from the model's hidden size h
+# (HfTrainerDeepSpeedConfig.trainer_config_finalize), and how
+_FROM_HIDDEN_SIZE = {"reduce_bucket_size": lambda h: h * h,
+                     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                     "stage3_param_persistence_threshold": lambda h: 10 * h}
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,7 @@ class DsConfig:
 
     values: dict  # the config, as passed or read from its file
     path: str | None  # the file it was read from
+    name: str  # the argument that passed it, as errors name it
     stage: int  # ZeRO stage
     precision: dict[str, dict]  # the "bf16" (or "bfloat16", where DeepSpeed reads it) and "fp16" sections
     dtype: str | None  # "bfloat16" or "float16", when a precision section enables it
@@ -72,10 +86,13 @@ def _type_name(value) -> str:
     return "null" if value is None else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
-def _unresolved_auto(key: str, fix: str, path: str | None) -> ArgumentValueError:
-    """The error for "auto" where zload reads a value: resolving it is left to a later version."""
-    return ArgumentValueError(f'{key} is "auto": zload does not resolve "auto" values yet (transformers\' '
-                              f'Trainer fills them in from its arguments); {fix}', path=path)
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def _bf16_key(values: dict) -> str:
+    """The key DeepSpeed reads bfloat16's section under: "bfloat16" where "bf16" is absent or null."""
+    return "bf16" if values.get("bf16") is not None else "bfloat16"
 
 
 def refuse_weight_quantization(config: DsConfig | None, zero_init_kwargs: dict) -> None:
@@ -114,13 +131,53 @@ def read_ds_config(ds_config, name: str, *, zero3: bool = False) -> DsConfig:
     for section in _SECTIONS:
         checker.object_or_absent(section)
     checker.object_or_absent("zero_optimization", bool)
-    bf16 = "bf16" if ds_config.get("bf16") is not None else "bfloat16"  # DeepSpeed's fallback
-    checker.object_or_absent(bf16)
+    checker.object_or_absent(_bf16_key(ds_config))
     zero = checker.zero_section(zero3)
-    precision, dtype = checker.precision(bf16)
+    precision, dtype = checker.precision()
     quantized = checker.quantized(zero)
     checker.counts()
-    return DsConfig(ds_config, path, int(zero.stage), precision, dtype, quantized)
+    return DsConfig(ds_config, path, name, int(zero.stage), precision, dtype, quantized)
+
+
+def resolve_auto(config: DsConfig, *, dtype, hidden_size) -> DsConfig:
+    """``config`` with the "auto" values that building under zero.Init reads filled in as
+    transformers' Trainer fills them (the module docstring says why):
+
+    - ``"enabled": "auto"`` in the bf16 and fp16 sections: on for the section of ``dtype`` (a
+      ``torch.dtype`` or its name; the Trainer's ``bf16``/``fp16`` arguments), off otherwise;
+    - the batch sizes: an "auto" one is dropped and DeepSpeed derives it from the others
+      (``train_batch_size`` = micro batch x accumulation steps x world size, the relation it
+      checks); where neither ``train_batch_size`` nor the micro batch is left, the micro batch is
+      1 (building reads no batch size, but DeepSpeed asks for one);
+    - ``reduce_bucket_size`` (h**2), ``stage3_prefetch_bucket_size`` (0.9 h**2) and
+      ``stage3_param_persistence_threshold`` (10 h) from ``hidden_size`` h. Without one they are
+      left out, so DeepSpeed's defaults apply while building: ``zero.Init`` reads none of them (the
+      engine reads them, from the config the user gives ``deepspeed.initialize``).
+
+    The values passed are not changed: the result holds copies."""
+    is_int = isinstance(hidden_size, numbers.Integral) and not isinstance(hidden_size, bool)
+    if hidden_size is not None and not (is_int and hidden_size > 0):
+        raise (ArgumentValueError if is_int else ArgumentTypeError)(
+            f"hidden_size={brief(hidden_size, 80)}: expected the model's hidden size, an int above 0 (its config's "
+            f"hidden_size)")
+    values = dict(config.values)
+    wanted = None if dtype is None else str(dtype).removeprefix("torch.")
+    for section, key, name in (("bf16", _bf16_key(values), "bfloat16"), ("fp16", "fp16", "float16")):
+        if _is_auto(config.precision[section].get("enabled")):
+            values[key] = {**config.precision[section], "enabled": wanted == name}
+    for key in _BATCH_SIZES:
+        if _is_auto(values.get(key)):
+            del values[key]
+    if all(values.get(key) is None for key in _BATCH_SIZES[:2]):
+        values["train_micro_batch_size_per_gpu"] = 1
+    zero = values.get("zero_optimization")
+    auto = [key for key in _FROM_HIDDEN_SIZE if isinstance(zero, dict) and _is_auto(zero.get(key))]
+    if auto:
+        kept = {key: value for key, value in zero.items() if key not in auto}
+        values["zero_optimization"] = kept if hidden_size is None else {
+            **zero, **{key: _FROM_HIDDEN_SIZE[key](hidden_size) for key in auto}}
+    precision, enabled = _Checker(values, config.name, config.path).precision()
+    return replace(config, values=values, precision=precision, dtype=enabled)
 
 
 class _Checker:
@@ -174,8 +231,9 @@ class _Checker:
             key = self.key("zero_optimization", "stage")
             if isinstance(section, bool):
                 asked = f"{self.key('zero_optimization')} is {json.dumps(section)}, DeepSpeed's old form"
-            elif section.get("stage") == "auto":
-                raise _unresolved_auto(key, "set it to 3", self.path)
+            elif _is_auto(section.get("stage")):
+                raise self.value_error(f'{key} is "auto", which transformers\' Trainer does not fill in either '
+                                       f'(DeepSpeed reads it as stage 0): set it to 3')
             else:
                 asked = f"{key} is {brief(section['stage'], 80)}" if "stage" in section else f"{key} is not set"
             raise self.value_error(
@@ -184,9 +242,10 @@ class _Checker:
                 f"0-2, which keep whole models, use transformers' own from_pretrained")
         return zero
 
-    def precision(self, bf16: str) -> tuple[dict[str, dict], str | None]:
+    def precision(self) -> tuple[dict[str, dict], str | None]:
         """The precision sections as DeepSpeed reads them (bfloat16's under the key "bf16"), and the
         dtype they enable."""
+        bf16 = _bf16_key(self.values)
         sections, enabled = {}, []
         for section, key, dtype in (("bf16", bf16, "bfloat16"), ("fp16", "fp16", "float16")):
             sections[section] = self.values.get(key) or {}
@@ -213,14 +272,17 @@ class _Checker:
             if key not in self.values or (self.values[key] is None and key != "sequence_parallel_size"):
                 continue  # DeepSpeed reads a null batch size as absent
             value = self.values[key]
-            if isinstance(value, str) and value == "auto":
-                raise _unresolved_auto(self.key(key), "give a number", self.path)
+            if _is_auto(value) and key in _BATCH_SIZES:
+                continue  # resolve_auto fills it in
+            if _is_auto(value):
+                raise self.value_error(f'{self.key(key)} is "auto", which transformers\' Trainer does not fill '
+                                       f'in: give a number')
             if not isinstance(value, numbers.Real):  # True is 1 to DeepSpeed
                 raise ArgumentTypeError(f"{self.key(key)} is {brief(value, 80)} ({_type_name(value)}): DeepSpeed "
                                         f"needs a number", path=self.path)
             if not value > 0:
                 raise self.value_error(f"{self.key(key)} is {value}: DeepSpeed needs a number above 0")
-        if all(self.values.get(key) is None for key in _COUNTS[:2]):
+        if all(self.values.get(key) is None for key in _BATCH_SIZES[:2]):
             raise self.value_error(f"{self.key()} names no batch size: DeepSpeed needs "
                                    f"\"train_micro_batch_size_per_gpu\" or \"train_batch_size\" even to build a "
                                    f"model; add "

@@ -58,7 +58,7 @@ from ..integrations.deepspeed import (
 )
 from ..integrations.transformers import skip_weight_init
 from ..report import shortened
-from .ds_config import read_ds_config, refuse_weight_quantization
+from .ds_config import read_ds_config, refuse_weight_quantization, resolve_auto
 
 _UNLOADED = "_zload_unloaded"  # set on each parameter built by ``init`` until a load writes it
 _RECIPE = "_zload_recipe"  # on a deferred tensor: (constructor, args, kwargs, device it will be on)
@@ -287,7 +287,8 @@ def _meta_leftovers(modules) -> list[str]:
 
 
 @contextmanager
-def init(config=None, *, dtype: torch.dtype | None = None, enabled: bool = True, **zero_init_kwargs):
+def init(config=None, *, dtype: torch.dtype | None = None, hidden_size: int | None = None, enabled: bool = True,
+         **zero_init_kwargs):
     """Like ``deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, ...)``, for a model that
     ``zload.load_into`` will fill completely: no full-size parameter is ever allocated, no weight
     initialised, nothing broadcast.
@@ -299,10 +300,15 @@ def init(config=None, *, dtype: torch.dtype | None = None, enabled: bool = True,
     parameter's initialisation from it). A parameter made by any other call (``torch.arange``,
     ``torch.eye``, arithmetic) is built at full size and then partitioned, as under ``zero.Init``.
     ``config`` (a dict or a JSON file's path) is checked first (``zload.ds_config``), and weight
-    quantization refused, before DeepSpeed reads either.
+    quantization refused, before DeepSpeed reads either. Its "auto" values are filled in as
+    transformers' Trainer fills them (``ds_config.resolve_auto``): ``"enabled": "auto"`` from
+    ``dtype``, the batch sizes with what building needs, and the ZeRO bucket sizes and persistence
+    threshold from ``hidden_size``, the model config's (``hidden_size=config.hidden_size``);
+    without it those are left out (``zero.Init`` reads none of them; the engine does).
     """
     global _active
-    checked = None if config is None else read_ds_config(config, "config")
+    checked = None if config is None else resolve_auto(
+        read_ds_config(config, "config"), dtype=dtype, hidden_size=hidden_size)
     config = None if checked is None else checked.values  # read once: DeepSpeed is given what was checked
     if _active or not enabled:  # zero.Init nests the same way: the outermost one decides
         with make_zero_init(config, dtype, enabled=enabled, **zero_init_kwargs):

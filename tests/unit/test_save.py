@@ -1,0 +1,27 @@
+"""zload.save: HF-layout safetensors written by every rank from its own partitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zload
+
+
+def test_leftovers_of_a_killed_save_are_named_and_kept(tmp_path):
+    """A save names the temporary folders that killed saves of zload before 0.2 left next to its
+    path (those took no lock: one could belong to a save still running, so they are not deleted)
+    and saves as usual."""
+    out = tmp_path / "out"
+    leftover = tmp_path / "out.zload-tmp-0123456789abcdef"
+    leftover.mkdir()
+    (tmp_path / "other.zload-tmp-0123456789abcdef").mkdir()  # another path's: not mentioned
+    model = torch.nn.Linear(3, 2)
+    with pytest.warns(zload.ZloadWarning, match="temporary folders") as caught:
+        zload.save(model, out)
+    (warning,) = [w for w in caught if issubclass(w.category, zload.ZloadWarning)]
+    assert str(leftover) in str(warning.message) and "other.zload-tmp" not in str(warning.message)
+    assert warning.filename == __file__  # points at the caller's save() line
+    assert leftover.is_dir() and torch.equal(load_file(str(out / "model.safetensors"))["weight"],
+                                             model.weight.detach())
