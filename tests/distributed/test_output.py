@@ -21,12 +21,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 import zload
-from zload.distributed import MAX_PROBLEMS_SHOWN, Problem, raise_for
+from zload.distributed import MAX_PROBLEMS_SHOWN
 
-from tests import models
-from tests.harness import run_world
-from tests.test_deepspeed_version import _installed
-from tests.zero3 import build_zero
+from tests.support import models
+from tests.support.harness import run_world
+from tests.distributed.test_deepspeed_version import _installed
+from tests.support.zero3 import build_zero
 
 
 class Told(NamedTuple):
@@ -130,27 +130,6 @@ def test_each_warning_log_line_and_error_names_zload_once(tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 # long lists in errors
-
-
-def test_an_error_of_many_ranks_problems_is_capped_and_shows_its_own():
-    gathered = [[Problem(zload.PlanError, f"'w{rank}.{k}': shape") for k in range(3)] for rank in range(64)]
-    gathered[63].append(Problem(zload.InvalidCheckpointError, "f: bad", {"path": "f", "tensor": None}))
-    with pytest.raises(zload.InvalidCheckpointError) as refused:
-        raise_for(gathered, "refused")
-    lines = str(refused.value).splitlines()
-    assert len(lines) == 1 + MAX_PROBLEMS_SHOWN + 1, lines
-    assert "[rank 63] f: bad" in str(refused.value) and lines[-1] == f"  - ... and {64 * 3 + 1 - 10} more problems"
-
-
-def test_the_first_missing_ranks_of_a_checkpoint_naming_rank_10_to_the_12_are_named(tmp_path):
-    """A hostile file name's rank: no list of every rank below it (it was one: a hang, then
-    gigabytes of message)."""
-    for rank in (0, 10**12):
-        for kind in ("optim", "model"):
-            (tmp_path / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt").touch()
-    with pytest.raises(zload.CheckpointNotFoundError) as refused:
-        zload.load_into(nn.Linear(2, 2), tmp_path)
-    assert "of rank(s) [1, 2, 3, 4, 5, 6, 7, 8, ... (999999999991 more)] are missing" in str(refused.value)
 
 
 class Stack(nn.Module):

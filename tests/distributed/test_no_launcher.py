@@ -1,24 +1,21 @@
 """A script started with plain ``python``: no torchrun, no process group. ``zload.init`` makes a
 world of one, as torchrun would for one process, and ``load_into`` and ``save`` work in it; under a
-launcher the world is the launcher's."""
+launcher the world is the launcher's (tests/unit/test_no_launcher.py)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import save_file
 
 from zload.integrations import deepspeed as ds
 
-from tests.checkpoints import read_all
-from tests.zero3 import assert_bit_equal
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
+from tests.support.checkpoints import read_all
+from tests.support.zero3 import assert_bit_equal
 
 SCRIPT = """
 import sys
@@ -51,15 +48,3 @@ def test_a_script_run_with_plain_python_loads_and_saves_in_a_world_of_one(tmp_pa
     assert sorted(saved) == sorted(state)
     for name, tensor in state.items():
         assert_bit_equal(saved[name], tensor.to(torch.bfloat16), name)
-
-
-@pytest.mark.parametrize("variable,value", [("MASTER_PORT", "29500"), ("OMPI_COMM_WORLD_SIZE", "4"),
-                                            ("SLURM_NTASKS", "8")])
-def test_a_launched_process_is_left_to_its_launcher(monkeypatch, variable, value):
-    """Never a world of one where a launcher may have started several processes."""
-    for name in (*ds.LAUNCHER_VARIABLES, "SLURM_NTASKS"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(ds, "_deepspeed", lambda: pytest.fail("a world was made for a launched process"))
-    monkeypatch.setenv(variable, value)
-    ds.join_world_of_one()
-    assert os.environ.get("RANK") is None

@@ -12,11 +12,11 @@ from safetensors.torch import save_file
 
 import zload
 
-from tests import models
-from tests.checkpoints import read_all
-from tests.harness import run_world
-from tests.test_engine import MLP, _config, _step
-from tests.zero3 import assert_bit_equal, check_against, load_expected
+from tests.support import models
+from tests.support.checkpoints import read_all
+from tests.support.harness import run_world
+from tests.distributed.test_engine import MLP, _config, _step
+from tests.support.zero3 import assert_bit_equal, check_against, load_expected
 
 
 def _engine(stage: int, offload: bool = False):
