@@ -21,7 +21,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 import zload
-from zload.distributed import MAX_PROBLEMS_SHOWN
 
 from tests.support import models
 from tests.support.harness import run_world
@@ -154,6 +153,8 @@ def test_an_error_of_many_tensors_is_a_few_lines(tmp_path):
     gathered: one line naming the first few."""
     save_file({**Stack(3).state_dict(), **models.state_with_seed(models.ParamsOnly, seed=2)},
               str(tmp_path / "model.safetensors"))
+    from zload.distributed import MAX_PROBLEMS_SHOWN
+
     for mismatched, gathered in run_world(2, _many_problems_body, str(tmp_path / "model.safetensors")):
         assert mismatched.count("\n") == MAX_PROBLEMS_SHOWN + 1 and "... and 20 more problems" in mismatched
         (line,) = [line for line in gathered.splitlines() if "is gathered" in line]

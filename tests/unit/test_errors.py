@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import zload
-from zload.distributed import MAX_PROBLEMS_SHOWN, Problem, problems_of, raise_for
+from zload.distributed import Problem, problems_of, raise_for
 
 from tests.support import models
 from tests.support.checkpoints import save_sharded
@@ -183,6 +183,8 @@ def test_a_problem_keeps_the_fields_of_its_class():
 
 
 def test_an_error_of_many_ranks_problems_is_capped_and_shows_its_own():
+    from zload.distributed import MAX_PROBLEMS_SHOWN
+
     gathered = [[Problem(zload.PlanError, f"'w{rank}.{k}': shape") for k in range(3)] for rank in range(64)]
     gathered[63].append(Problem(zload.InvalidCheckpointError, "f: bad", {"path": "f", "tensor": None}))
     with pytest.raises(zload.InvalidCheckpointError) as refused:
