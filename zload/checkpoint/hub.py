@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..distributed import Problem, agree, rank_and_world
+from ..distributed import Problem, agree, rank_and_world, speaks_for_all
 from ..errors import CheckpointError, CheckpointNotFoundError
 
 logger = logging.getLogger("zload")
@@ -57,7 +57,8 @@ def download(path: str, revision: str | None, also: tuple[str, ...] = ()) -> str
     if not first:
         local = fetch(True)  # already downloaded: read the same snapshot from the shared cache
     agree(problems, what)
-    logger.info("Hub repo %s (revision %s) resolved to %s", path, revision or "main", local)
+    if speaks_for_all():
+        logger.info("Hub repo %s (revision %s) resolved to %s", path, revision or "main", local)
     return local
 
 

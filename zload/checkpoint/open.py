@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import os
 import stat
-import warnings
 from typing import Protocol
 
-from ..distributed import Problem, agree, reduce_max
+from ..distributed import Problem, agree, reduce_max, warn_for_all
 from ..errors import (
     ArgumentValueError,
     CheckpointError,
     CheckpointNotFoundError,
     InvalidCheckpointError,
-    ZloadWarning,
 )
+from ..report import shortened
 from .files import FileTable, open_regular, refuse_irregular, stat_path
 from .hub import download
 from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, index_from_weight_map, parse_header
@@ -39,8 +38,8 @@ def _start_file(path: str) -> str | None:
     for name in (SINGLE_FILE, INDEX_FILE):
         if os.path.lexists(os.path.join(path, name)):
             if name == SINGLE_FILE and os.path.lexists(os.path.join(path, INDEX_FILE)):
-                warnings.warn(f"zload: {path} holds both {SINGLE_FILE} and {INDEX_FILE}; loading "
-                              f"{SINGLE_FILE}, as from_pretrained does", ZloadWarning, stacklevel=2)
+                warn_for_all(f"{path} holds both {SINGLE_FILE} and {INDEX_FILE}; loading {SINGLE_FILE}, as "
+                             "from_pretrained does", stacklevel=2)
             return os.path.join(path, name)
     try:
         listing = sorted(os.listdir(path))
@@ -54,7 +53,7 @@ def _start_file(path: str) -> str | None:
         return os.path.join(path, singles[0])
     if indexes + singles:
         raise InvalidCheckpointError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
-                                     f"{', '.join(indexes + singles)}", path=path)
+                                     f"{shortened(indexes + singles)}", path=path)
     return None  # no safetensors: perhaps a DeepSpeed checkpoint
 
 
