@@ -388,7 +388,7 @@ def _not_joined(world: int, timeout: int, parent: int | None, missing: list[int]
               if missing else f"the group's store at {where} could not be used ({detail})")
     cause = (f"its parent process ({parent}) holds the same variables: a process of a distributed job "
              "started this one, which inherited them" if parent else "the other processes were not started with it")
-    return (f"zload convert: its environment (RANK={os.environ.get('RANK')}, WORLD_SIZE={world}, "
+    return (f"this zload convert's environment (RANK={os.environ.get('RANK')}, WORLD_SIZE={world}, "
             f"MASTER_ADDR:MASTER_PORT={where}) says it is one of {world} processes, but within {timeout} s the "
             f"{absent}; {cause}. To convert in this one process, pass --single-process (or set "
             f"{SINGLE_PROCESS}=1); to convert with {world} processes, start them together: torchrun "

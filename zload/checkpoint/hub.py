@@ -19,7 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from ..distributed import Problem, agree, rank_and_world
+from ..distributed import Problem, agree, rank_and_world, speaks_for_all
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .files import OpenFile, header_only
 from .index import MAX_INDEX_BYTES, header_length
@@ -61,7 +61,8 @@ def download(path: str, revision: str | None, also: tuple[str, ...] = ()) -> str
     if not first:
         local = fetch(True)  # already downloaded: read the same snapshot from the shared cache
     agree(problems, what)
-    logger.info("Hub repo %s (revision %s) resolved to %s", path, revision or "main", local)
+    if speaks_for_all():
+        logger.info("Hub repo %s (revision %s) resolved to %s", path, revision or "main", local)
     return local
 
 

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import os
 import stat
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
-from ..distributed import Problem, agree, reduce_max
+from ..distributed import Problem, agree, reduce_max, warn_for_all
 from ..errors import (
     ArgumentValueError,
     CheckpointError,
     CheckpointNotFoundError,
     InvalidCheckpointError,
-    ZloadWarning,
 )
 from ..report import shortened
 from .files import FileTable, open_regular, refuse_irregular, stat_path
@@ -58,8 +56,8 @@ def _start_name(folder: str, holds: Callable[[str], bool], listing: Callable[[],
     for name in (SINGLE_FILE, INDEX_FILE):
         if holds(name):
             if name == SINGLE_FILE and holds(INDEX_FILE):
-                warnings.warn(f"zload: {folder} holds both {SINGLE_FILE} and {INDEX_FILE}; loading "
-                              f"{SINGLE_FILE}, as from_pretrained does", ZloadWarning, stacklevel=4)
+                warn_for_all(f"{folder} holds both {SINGLE_FILE} and {INDEX_FILE}; loading {SINGLE_FILE}, as "
+                             "from_pretrained does", stacklevel=3)
             return name
     names = sorted(listing())
     indexes = [n for n in names if n.endswith(".safetensors.index.json")]
@@ -70,7 +68,7 @@ def _start_name(folder: str, holds: Callable[[str], bool], listing: Callable[[],
         return singles[0]
     if indexes + singles:
         raise InvalidCheckpointError(f"{folder}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
-                                     f"{', '.join(indexes + singles)}", path=folder)
+                                     f"{shortened(indexes + singles)}", path=folder)
     return None  # no safetensors: perhaps a DeepSpeed checkpoint
 
 
