@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 import zload
 
 from tests.support import models
-from tests.support.checkpoints import save_sharded
+from tests.support.checkpoints import bin_weights_folder, save_sharded
 from tests.support.harness import run_world
 from tests.support.zero3 import (
     assert_unchanged,
@@ -348,3 +348,15 @@ def test_agreeing_on_the_call_adds_no_collective(tmp_path):
     for sample, full in run_world(2, _collectives_of_loads, folder, ["sample", "full"]):
         assert sample == ["all_reduce", "all_reduce"], sample
         assert full[0] == "all_reduce" and full[-1] == "all_reduce", full
+
+
+def _load_bin_folder(folder):
+    with pytest.raises(zload.CheckpointNotFoundError) as info:
+        zload.load_into(torch.nn.Linear(3, 2), folder)
+    return str(info.value)
+
+
+def test_load_into_says_to_convert_bin_weights_on_every_rank(tmp_path):
+    folder = bin_weights_folder(tmp_path / "single", "single")
+    messages = run_world(2, _load_bin_folder, str(folder))
+    assert messages[0] == messages[1] and "it holds PyTorch .bin weights (pytorch_model.bin)" in messages[0]
