@@ -252,7 +252,7 @@ def test_python_dash_m_exit_codes(sharded, tmp_path):
 
 
 def test_validate_full_checks_the_digests_zload_save_recorded(tmp_path, capsys):
-    from zload.cli import human_bytes, main
+    from zload.cli import main
 
     model = torch.nn.Linear(300, 200)
     zload.save(model, tmp_path / "ckpt", max_shard_size=100_000)
