@@ -296,13 +296,8 @@ def _load_with_an_orphan_on_rank_1(path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_orphan_on_one_rank_only_fails_every_rank(tmp_path, world):
     """Rank 1 alone waited in the orphan's broadcast while the others returned success."""
-    def factory():
-        model = models.TinyViT()
-        models.patch_layerscales(model)
-        return model
-
     path = tmp_path / "model.safetensors"
-    save_file(models.state_with_seed(factory, seed=14), str(path))
+    save_file(models.state_with_seed(models.patched_tiny_vit, seed=14), str(path))
     results = run_world(world, _load_with_an_orphan_on_rank_1, path, timeout=60)
     kind, message = _same(results)
     lacking = "rank 0's" if world == 2 else "those of ranks 0, 2"

@@ -139,12 +139,7 @@ def _load_orphans(path):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_orphan_layerscale_is_loaded_and_repaired(tmp_path, world):
     """OpenVLA's `scale_factor = nn.Parameter(gamma.clone())` after zero.Init: [0]-shaped, no ds_*."""
-    def factory():
-        model = models.TinyViT()
-        models.patch_layerscales(model)
-        return model
-
-    state = models.state_with_seed(factory, seed=5)
+    state = models.state_with_seed(models.patched_tiny_vit, seed=5)
     assert "blocks.0.ls1.scale_factor" in state
     path = _save(tmp_path, state)
     for rank, load in enumerate(run_world(world, _load_orphans, path)):
