@@ -3,17 +3,21 @@
     zload inspect PATH [--json] [--limit N | --all | --no-tensors]
     zload plan PATH (--world-size N | -n N) [--json]
     zload validate PATH [--full]
-    zload convert DS_CHECKPOINT OUT [--module-weights] [--max-shard-size SIZE]
+    zload convert DS_CHECKPOINT OUT [--module-weights] [--max-shard-size SIZE] [--single-process]
 
 PATH is what ``load_into`` takes: a file, an index, a folder, or a Hub repo id (``--revision``),
 found the same way (``checkpoint.open_source``). Every command validates the checkpoint exactly as
-``load_into`` does (every header is read and checked, no tensor data). A bad checkpoint prints
-``zload: error: ...`` with the file and tensor at fault and exits 2, without a traceback;
-``validate`` exits 1 instead, so a CI script can tell "invalid checkpoint" from "bad command line".
-Each command builds one plain dict, which ``--json`` prints as is and the text output renders, so
-the two cannot disagree. ``convert`` writes a DeepSpeed checkpoint as safetensors
-(``zload.convert``); launched by torchrun (``torchrun --nproc_per_node N -m zload convert ...``),
-its processes join one gloo group and each writes a share.
+``load_into`` does (every header is read and checked, no tensor data); on a Hub repo id, the
+commands that read no tensor data fetch only the headers (HTTP range requests), never the weights.
+A bad checkpoint prints ``zload: error: ...`` with the file and tensor at fault and exits 2,
+without a traceback; ``validate`` exits 1 instead, so a CI script can tell "invalid checkpoint"
+from "bad command line". Each command builds one plain dict, which ``--json`` prints as is and the
+text output renders, so the two cannot disagree. ``convert`` writes a DeepSpeed checkpoint as
+safetensors (``zload.convert``); launched by torchrun (``torchrun --nproc_per_node N -m zload
+convert ...``), its processes join one gloo group and each writes a share (``_join``).
+
+torch and the checkpoint modules are imported inside the commands: ``--version`` and ``--help``
+answer at once.
 """
 
 from __future__ import annotations
@@ -25,16 +29,15 @@ import os
 import re
 import sys
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from . import __version__
-from .checkpoint.digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch
-from .checkpoint.index import CheckpointIndex
-from .checkpoint.open import open_source
 from .checkpoint.partition import Partition
-from .checkpoint.quantized import FP8, pair_scales, read_quantization
-from .distributed import reader_count
-from .errors import InvalidCheckpointError, ZloadError
-from .report import plural
+from .errors import InvalidCheckpointError, PeerLostError, ZloadError
+from .report import plural, shortened
+
+if TYPE_CHECKING:
+    from .checkpoint.index import CheckpointIndex
 
 DEFAULT_LIMIT = 50
 _BYTE_UNITS = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB"))
@@ -66,7 +69,7 @@ def inspect_summary(index: CheckpointIndex) -> dict:
         entry = dtypes.setdefault(t.dtype, {"tensors": 0, "bytes": 0})
         entry["tensors"] += 1
         entry["bytes"] += t.nbytes
-    files = [{"path": index.path(f), "bytes": os.path.getsize(index.path(f)), "tensors": per_file[f]}
+    files = [{"path": index.path(f), "bytes": index.opened.get(f).identity.size, "tensors": per_file[f]}
              for f in index.files]
     scales, quantization = quantization_summary(index)
     return {
@@ -89,6 +92,8 @@ def quantization_summary(index: CheckpointIndex) -> tuple[dict[str, dict], dict 
     """Each FP8 weight's scale (name and block: ``None`` for one scale per tensor), and the
     checkpoint's quantisation (None for a checkpoint without FP8 weights): method, block sizes,
     counts and the problems ``load_into`` would refuse."""
+    from .checkpoint.quantized import FP8, pair_scales, read_quantization
+
     quantization = read_quantization(index.root)
     _, scales, problems = pair_scales(index, quantization)
     fp8 = [t for t in index.tensors.values() if t.dtype in FP8]
@@ -229,18 +234,25 @@ def _at_least(minimum: int):
     return parse
 
 
+PATH_HELP = ("a .safetensors file, an index .json, a folder holding either or a DeepSpeed checkpoint, or a "
+             "Hub repo id")
+REVISION_HELP = "branch, tag or commit of a Hub repo id (default: main)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zload", description="Inspect, validate and plan loads of safetensors checkpoints; convert "
         "DeepSpeed checkpoints into them.",
         epilog="PATH is a .safetensors file, an index .json, a directory holding either, or a Hub repo id "
-               "(from the Hugging Face cache, downloaded if it is not there).")
-    parser.add_argument("--version", action="version", version=f"zload {__version__}")
+               "(inspect, plan and validate read only its headers from the Hub; validate --full downloads "
+               "it into the Hugging Face cache, as load_into does).")
+    parser.add_argument("--version", action="version", version=f"zload {__version__}",
+                        help="print zload's version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     inspect = commands.add_parser("inspect", help="files, dtypes, shapes and sizes of a checkpoint")
-    inspect.add_argument("path", metavar="PATH")
-    inspect.add_argument("--revision", metavar="REV", help="branch, tag or commit of a Hub repo id")
+    inspect.add_argument("path", metavar="PATH", help=PATH_HELP)
+    inspect.add_argument("--revision", metavar="REV", help=REVISION_HELP)
     inspect.add_argument("--json", action="store_true", help="print a JSON object instead "
                          "(it lists every tensor unless --no-tensors)")
     shown = inspect.add_mutually_exclusive_group()
@@ -252,14 +264,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="leave out the tensor list")
 
     plan = commands.add_parser("plan", help="bytes each rank would read under ZeRO-3")
-    plan.add_argument("path", metavar="PATH")
-    plan.add_argument("--revision", metavar="REV", help="branch, tag or commit of a Hub repo id")
-    plan.add_argument("--world-size", "-n", type=_at_least(1), required=True, metavar="N")
+    plan.add_argument("path", metavar="PATH", help=PATH_HELP)
+    plan.add_argument("--revision", metavar="REV", help=REVISION_HELP)
+    plan.add_argument("--world-size", "-n", type=_at_least(1), required=True, metavar="N",
+                      help="the number of ranks (GPUs) of the job that would load it")
     plan.add_argument("--json", action="store_true", help="print a JSON object instead")
 
     validate = commands.add_parser("validate", help="check every header; exit 0 if valid, 1 if not")
-    validate.add_argument("path", metavar="PATH")
-    validate.add_argument("--revision", metavar="REV", help="branch, tag or commit of a Hub repo id")
+    validate.add_argument("path", metavar="PATH", help=PATH_HELP)
+    validate.add_argument("--revision", metavar="REV", help=REVISION_HELP)
     validate.add_argument("--full", action="store_true", help="also read every byte of the files "
                           "zload.save wrote and check it against the digest recorded in them")
 
@@ -273,7 +286,17 @@ def _parser() -> argparse.ArgumentParser:
                          "(16-bit when trained so) instead of the fp32 master weights")
     convert.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                          help="largest shard, e.g. 5GB (default) or 500MiB")
+    convert.add_argument("--single-process", action="store_true",
+                         help=f"convert in this one process even if its environment names a distributed job "
+                              f"(WORLD_SIZE > 1), as in a process that a torchrun worker started; also "
+                              f"{SINGLE_PROCESS}=1")
     return parser
+
+
+SINGLE_PROCESS = "ZLOAD_SINGLE_PROCESS"
+RENDEZVOUS_TIMEOUT = 60  # seconds for the processes of a launch to meet
+INHERITED_TIMEOUT = 5  # seconds, where the parent process holds the same launch variables
+_LAUNCH = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 def _convert(args) -> int:
@@ -282,9 +305,10 @@ def _convert(args) -> int:
 
     from .saving.convert import convert
 
-    joined = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    single = args.single_process or os.environ.get(SINGLE_PROCESS, "") not in ("", "0")
+    joined = not single and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
     if joined:
-        dist.init_process_group("gloo")  # a conversion needs only small CPU collectives
+        _join()
     try:
         report = convert(args.checkpoint, args.out, weights="module" if args.module_weights else "master",
                          max_shard_size=args.max_shard_size)
@@ -295,6 +319,80 @@ def _convert(args) -> int:
     if joined:
         _exit_skipping_teardown()
     return 0
+
+
+def _join() -> None:
+    """Join the other processes of this launch in one gloo group, or raise within seconds.
+
+    A process's environment does not say whether a launcher started it as one of ``WORLD_SIZE``
+    processes, or whether a process of a distributed job started it (``subprocess.run(["zload",
+    "convert", ...])`` in a torchrun worker) and it inherited the job's ``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT``: then no other process will come, and joining the job's
+    group would wait for half an hour, or worse, join it. So the processes meet first under their
+    own names in the job's store (``zload-convert/...``, apart from the job's own keys) and wait for
+    each other ``RENDEZVOUS_TIMEOUT`` seconds at most; only ``INHERITED_TIMEOUT`` where the parent
+    process holds the same launch variables (``_inherited_from``: a launcher sets them for the
+    processes it starts, not in its own environment). Whoever does not meet them all raises a
+    ``PeerLostError`` saying what to do: ``--single-process``, or launching the processes together.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    parent = _inherited_from()
+    timeout = INHERITED_TIMEOUT if parent else RENDEZVOUS_TIMEOUT
+    keys = [f"arrived/{r}" for r in range(world)]
+    store, missing = None, None
+    try:
+        rank = int(os.environ.get("RANK", ""))  # a ValueError if unset: the message names it
+        store = dist.PrefixStore(f"zload-convert/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+                                 f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}/",
+                                 next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))[0])
+        store.set(keys[rank], str(os.getpid()))
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception as e:  # torch's store errors: a timeout, a refused connection, a port in use
+        if store is not None:
+            try:  # best effort: the store itself may be what failed
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                store.delete_key(keys[rank])
+            except Exception:  # the error raised below says what failed
+                pass
+        raise PeerLostError(_not_joined(world, timeout, parent, missing, e),
+                            stage="joining the other processes") from e
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)  # small CPU collectives
+    store.delete_key(keys[rank])  # every process has passed its wait: each needs the others to join
+
+
+def _inherited_from() -> int | None:
+    """The parent process's id if its environment (as it started: ``/proc``) holds this one's
+    launch variables (``_LAUNCH``): it is a process of the job that started this one (a worker,
+    or a shell a worker started). None otherwise, or where ``/proc`` cannot tell."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/environ", "rb") as f:
+            pairs = [item.split(b"=", 1) for item in f.read().split(b"\0")]
+    except OSError:
+        return None
+    environ = {key.decode(errors="replace"): value for key, value in (p for p in pairs if len(p) == 2)}
+    same = all(environ.get(name) == (None if os.environ.get(name) is None else os.fsencode(os.environ[name]))
+               for name in _LAUNCH)
+    return parent if same else None
+
+
+def _not_joined(world: int, timeout: int, parent: int | None, missing: list[int] | None, e: Exception) -> str:
+    """Why ``zload convert`` did not join the other processes, and what to do."""
+    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    absent = (f"process{'es' if len(missing) > 1 else ''} of rank {shortened([str(r) for r in missing])} did not come"
+              if missing else f"the group's store at {where} could not be used ({detail})")
+    cause = (f"its parent process ({parent}) holds the same variables: a process of a distributed job "
+             "started this one, which inherited them" if parent else "the other processes were not started with it")
+    return (f"this zload convert's environment (RANK={os.environ.get('RANK')}, WORLD_SIZE={world}, "
+            f"MASTER_ADDR:MASTER_PORT={where}) says it is one of {world} processes, but within {timeout} s the "
+            f"{absent}; {cause}. To convert in this one process, pass --single-process (or set "
+            f"{SINGLE_PROCESS}=1); to convert with {world} processes, start them together: torchrun "
+            f"--nproc_per_node {world} -m zload convert ... Nothing was written.")
 
 
 def _exit_skipping_teardown() -> None:
@@ -311,6 +409,9 @@ def _exit_skipping_teardown() -> None:
 def _check_recorded_digests(index: CheckpointIndex) -> tuple[int, int]:
     """Each file with a digest recorded by zload.save, read whole and checked against it: raises
     on a mismatch; returns (files checked, files without a recorded digest)."""
+    from .checkpoint.digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch
+    from .distributed import reader_count
+
     checked = 0
     for key in index.files:
         opened = index.opened.get(key)
@@ -329,9 +430,11 @@ def _check_recorded_digests(index: CheckpointIndex) -> tuple[int, int]:
 def _run(args) -> int:
     if args.command == "convert":
         return _convert(args)
+    from .checkpoint.open import open_source
+
     if args.command == "validate":
         try:
-            with open_source(args.path, args.revision) as index:
+            with open_source(args.path, args.revision, headers_only=not args.full) as index:
                 checked, unrecorded = _check_recorded_digests(index) if args.full else (0, 0)
         except ZloadError as e:
             print(f"zload: invalid: {e}", file=sys.stderr)
@@ -342,7 +445,7 @@ def _run(args) -> int:
             print(f"data: {plural(checked, 'file')} matched the digest zload.save recorded"
                   + (f"; {plural(unrecorded, 'file')} recorded none (not checked)" if unrecorded else ""))
         return 0
-    with open_source(args.path, args.revision) as index:
+    with open_source(args.path, args.revision, headers_only=True) as index:
         if args.command == "inspect":
             summary = inspect_summary(index)
             if args.json and args.limit == 0:

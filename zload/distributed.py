@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import traceback
+import warnings
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -32,6 +33,33 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+ALL_RANKS_VARIABLE = "ZLOAD_ALL_RANKS"  # "1": every rank warns and logs, not rank 0 alone
+
+
+def speaks_for_all() -> bool:
+    """Whether this rank tells what every rank sees alike: the warnings about a call, its model and
+    its checkpoint (which every rank shares), and the load's report. Rank 0 does, unless
+    ``ZLOAD_ALL_RANKS=1`` asks every rank to; 64 ranks saying the same is noise. What one rank sees
+    alone (a read-ahead that stopped, an unexpected error) it says itself, and an error is raised
+    on every rank."""
+    return rank_and_world()[0] == 0 or os.environ.get(ALL_RANKS_VARIABLE) == "1"
+
+
+def speaks_for_node() -> bool:
+    """Whether this rank tells what each node sees alike (the DeepSpeed installed): the node's first
+    rank (``LOCAL_RANK`` 0, from torchrun or the DeepSpeed launcher), or every rank with
+    ``ZLOAD_ALL_RANKS=1``."""
+    local = os.environ.get("LOCAL_RANK", str(rank_and_world()[0]))
+    return local == "0" or os.environ.get(ALL_RANKS_VARIABLE) == "1"
+
+
+def warn_for_all(message: str, stacklevel: int = 1, category: type[Warning] = errors.ZloadWarning) -> None:
+    """``warnings.warn`` where ``speaks_for_all``: about what every rank sees alike. ``stacklevel``
+    counts from the caller, as ``warnings.warn``'s does."""
+    if speaks_for_all():
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 def comm_device():
@@ -72,7 +100,7 @@ def collective():
         what, leaves = _stage.get()
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise errors.PeerLostError(
-            f"zload: {what} was interrupted: talking to the other ranks failed ({detail}); another "
+            f"{what} was interrupted: talking to the other ranks failed ({detail}); another "
             f"rank's process has probably died or become unreachable (see its log). {leaves}",
             stage=what) from e
 
@@ -180,6 +208,8 @@ def agree(problems: list[Problem], what: str) -> None:
         raise_for(exchange(problems), what)
 
 
+MAX_PROBLEMS_SHOWN = 10  # an agreed error lists this many problems, then how many more: 64 ranks' are pages
+
 # ``raise_for`` raises the error of the first problem (in rank order) of the first of these classes
 # that any rank reported: a checkpoint problem explains plan problems that follow from it.
 _PRECEDENCE = (errors.CheckpointError, errors.PlanError, errors.ZloadError)
@@ -188,10 +218,11 @@ _PRECEDENCE = (errors.CheckpointError, errors.PlanError, errors.ZloadError)
 def raise_for(gathered: list[list[Problem]], what: str) -> None:
     """Raise if any rank's list of problems (``gathered``, in rank order) is not empty.
 
-    The message lists every problem once, prefixed by the ranks that saw it when not all ranks
-    did. The error is that of one problem: the first checkpoint problem in rank order, else the
-    first plan problem, else the first problem; it has that problem's class and fields, and
-    ``ranks``, the ranks that reported it.
+    The message lists every problem once (the first ``MAX_PROBLEMS_SHOWN``, the error's own among
+    them, then how many more), prefixed by the ranks that saw it when not all ranks did. The error
+    is that of one problem: the first checkpoint problem in rank order, else the first plan
+    problem, else the first problem; it has that problem's class and fields, and ``ranks``, the
+    ranks that reported it.
     """
     seen: dict[tuple[type, str], tuple[Problem, list[int]]] = {}
     for r, rank_problems in enumerate(gathered):
@@ -201,13 +232,20 @@ def raise_for(gathered: list[list[Problem]], what: str) -> None:
                 ranks.append(r)
     if not seen:
         return
-    lines = []
-    for problem, ranks in seen.values():
-        prefix = "" if len(ranks) == len(gathered) else f"[rank {', '.join(map(str, ranks))}] "
-        lines.append(f"  - {prefix}{problem.message}")
-    chosen, ranks = next(reported for cls in _PRECEDENCE for reported in seen.values()
-                         if issubclass(reported[0].kind, cls))
+    reported = list(seen.values())
+    chosen, ranks = next(r for cls in _PRECEDENCE for r in reported if issubclass(r[0].kind, cls))
+    shown = reported[:MAX_PROBLEMS_SHOWN]
+    if all(problem is not chosen for problem, _ in shown):  # the error's own problem is always shown
+        shown[-1] = (chosen, ranks)
+    lines = [f"  - {_seen_by(r, len(gathered))}{problem.message}" for problem, r in shown]
+    if len(reported) > len(shown):
+        lines.append(f"  - ... and {len(reported) - len(shown)} more problems")
     raise chosen.kind(f"{what}:\n" + "\n".join(lines), **chosen.fields, ranks=tuple(ranks))
+
+
+def _seen_by(ranks: list[int], world: int) -> str:
+    """``"[rank 1, 3] "`` (the first few of many), or nothing when every rank saw a problem."""
+    return "" if len(ranks) == world else f"[rank {shortened(ranks)}] "
 
 
 def problems_of(doing: str, call) -> tuple[object, list[Problem]]:
@@ -217,7 +255,7 @@ def problems_of(doing: str, call) -> tuple[object, list[Problem]]:
     except errors.ZloadError as e:
         return None, [Problem.of(e)]
     except Exception as e:  # a bug or an environment error must not leave other ranks hanging
-        logger.error("zload: unexpected error while %s:\n%s", doing, traceback.format_exc())
+        logger.error("unexpected error while %s:\n%s", doing, traceback.format_exc())
         return None, [Problem(errors.ZloadError, f"unexpected error while {doing}: {type(e).__name__}: {e}")]
 
 

@@ -7,11 +7,10 @@ transformers is imported only when this is called.
 from __future__ import annotations
 
 import os
-import warnings
 
 from .checkpoint.open import local_path
-from .distributed import agree, collective, problems_of, stage
-from .errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
+from .distributed import agree, collective, problems_of, stage, warn_for_all
+from .errors import ArgumentTypeError, ArgumentValueError
 from .integrations.deepspeed import gathered_parameters
 from .integrations.transformers import hidden_size_of, initialize_missing
 from .loading.load_into import load_into
@@ -65,7 +64,7 @@ def from_pretrained(model_class, path_or_repo_id: str | os.PathLike, ds_config, 
         return checked
 
     checked, problems = problems_of("checking ds_config", check_ds_config)
-    agree(problems, "zload: cannot build a model with this ds_config")
+    agree(problems, "cannot build a model with this ds_config")
     concrete = isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)
     if not concrete and not (isinstance(model_class, type) and hasattr(model_class, "from_config")):
         raise ArgumentTypeError(f"model_class={model_class!r}: expected a transformers PreTrainedModel class "
@@ -92,7 +91,7 @@ def from_pretrained(model_class, path_or_repo_id: str | os.PathLike, ds_config, 
         return config, parameter_dtype, resolve_auto(checked, dtype=parameter_dtype, hidden_size=hidden_size_of(config))
 
     read, problems = problems_of(f"reading the config of {path}", read_config_and_resolve)
-    agree(problems, f"zload: cannot build a model from {path}")
+    agree(problems, f"cannot build a model from {path}")
     config, dtype, resolved = read
     config.name_or_path = path
     # transformers' own zero.Init path keeps zero.Init from casting torch.arange (RoPE buffers) too
@@ -132,7 +131,7 @@ def _renamed_dtype(dtype, torch_dtype):
     if dtype is not None:
         raise ArgumentTypeError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} both given: torch_dtype is the "
                                 f"old name of dtype; pass dtype only")
-    warnings.warn("`torch_dtype` is deprecated! Use `dtype` instead!", FutureWarning, stacklevel=3)
+    warn_for_all("`torch_dtype` is deprecated! Use `dtype` instead!", stacklevel=3, category=FutureWarning)
     return torch_dtype
 
 
@@ -148,14 +147,14 @@ def _fill_missing(model, report: LoadReport, path: str) -> None:
     with stage(doing, "Those weights may be left unwritten: build the model again."), collective():
         with gathered_parameters(params, modifier_rank=0):
             _, problems = problems_of(doing, lambda: initialize_missing(model, params))
-        agree(problems, f"zload: cannot initialise the weights of {type(model).__name__} that {path} lacks")
+        agree(problems, f"cannot initialise the weights of {type(model).__name__} that {path} lacks")
     for param in params:
         mark_loaded(param)
     report.newly_initialized = [name for name, _ in named]
     shown = shortened([repr(name) for name, _ in named], 20)
-    warnings.warn(f"Some weights of {type(model).__name__} were not initialized from the model checkpoint at {path} "
-                  f"and are newly initialized: [{shown}]\nYou should probably TRAIN this model on a down-stream task "
-                  f"to be able to use it for predictions and inference.", ZloadWarning, stacklevel=3)
+    warn_for_all(f"Some weights of {type(model).__name__} were not initialized from the model checkpoint at {path} "
+                 f"and are newly initialized: [{shown}]\nYou should probably TRAIN this model on a down-stream task "
+                 f"to be able to use it for predictions and inference.", stacklevel=3)
 
 
 # the dtypes ZeRO-3 builds parameters in, and the sections of a DeepSpeed config that ask for them

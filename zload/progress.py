@@ -1,4 +1,5 @@
-"""The progress bar of long loads: huggingface_hub's tqdm on rank 0, a shared no-op elsewhere.
+"""The progress bar of long loads and saves: huggingface_hub's tqdm on rank 0, a shared no-op
+elsewhere.
 
 huggingface_hub's tqdm honours ``HF_HUB_DISABLE_PROGRESS_BARS`` and ``disable_progress_bars()``,
 as the bars of its downloads do. It is imported only when a bar may be drawn: zload imports
@@ -18,14 +19,14 @@ LOG_INTERVAL_S = 5.0  # a log file gets a redraw every few seconds, not ten a se
 
 
 class Progress:
-    """Reports bytes as they are read. This base class draws nothing: it is what a disabled
-    reporter, a rank other than 0, or an auto reporter without a terminal gets."""
+    """Reports bytes as they are read (or written). This base class draws nothing: it is what a
+    disabled reporter, a rank other than 0, or an auto reporter without a terminal gets."""
 
     def update(self, nbytes: int) -> None:
-        """``nbytes`` more bytes have been read."""
+        """``nbytes`` more bytes have been read (or written)."""
 
     def close(self) -> None:
-        """The load is over (or failed): finish the line if one was drawn."""
+        """The load or save is over (or failed): finish the line if one was drawn."""
 
     def __enter__(self) -> Progress:
         return self
@@ -56,7 +57,7 @@ class _Bar(Progress):
 
 def progress_for(total_bytes: int, *, rank: int, enabled: bool | None,
                  stream: TextIO | None = None) -> Progress:
-    """The reporter for a load of ``total_bytes`` on ``rank``.
+    """The reporter for a load (or save) of ``total_bytes`` on ``rank``.
 
     ``enabled=None`` (auto): a bar on rank 0 when ``stream`` is a terminal; ``True``: on rank 0
     even without one (for log files); ``False``: never. In every case nothing is drawn during the

@@ -4,6 +4,7 @@ keep every message short whatever the input holds."""
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _NESTED = reprlib.Repr()  # keyword arguments only from Python 3.12
@@ -26,13 +27,20 @@ def plural(n: int, word: str) -> str:
 
 def ranks_named(ranks) -> str:
     """``[1]`` -> ``"rank 1"``, ``[0, 2]`` -> ``"ranks 0, 2"`` (the first few of many)."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {shortened([str(r) for r in ranks])}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {shortened(ranks)}"
 
 
-def shortened(names: list[str], limit: int = 8, sep: str = ", ") -> str:
-    """The first ``limit`` names, and how many more there are."""
-    shown = sep.join(names[:limit])
-    return shown + (f"{sep}... ({len(names) - limit} more)" if len(names) > limit else "")
+def ranks_listed(ranks) -> str:
+    """``[0, 2]`` -> ``"[0, 2]"``; of many ranks the first few, and how many more."""
+    return f"[{shortened(ranks)}]"
+
+
+def shortened(names: Sequence, limit: int = 8, sep: str = ", ", total: int | None = None) -> str:
+    """The first ``limit`` names, and how many more there are: of ``total`` where ``names`` holds
+    only the first. Only those shown are read: ``names`` may be a ``range`` a hostile count made."""
+    total = len(names) if total is None else total
+    shown = sep.join(map(str, names[:limit]))
+    return shown + (f"{sep}... ({total - limit} more)" if total > limit else "")
 
 
 @dataclass(kw_only=True)  # fifteen fields: built by name, never by position
@@ -69,7 +77,7 @@ class LoadReport:
         rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
         share = self.bytes_read / self.checkpoint_bytes if self.checkpoint_bytes else 0.0
         lines = [
-            f"zload: loaded {plural(len(self.loaded), 'tensor')} from {self.source} on rank {self.rank}/"
+            f"loaded {plural(len(self.loaded), 'tensor')} from {self.source} on rank {self.rank}/"
             f"{self.world_size} in {self.seconds:.3f} s",
             f"  read {self.bytes_read / 1e6:.2f} MB ({share:.1%} of {self.checkpoint_bytes / 1e6:.2f} MB"
             f" checkpoint) at {rate:.2f} GB/s",
@@ -100,5 +108,5 @@ class SaveReport:
     seconds: float
 
     def __str__(self) -> str:
-        return (f"zload: saved {self.path} ({plural(len(self.files), 'file')}, {self.total_bytes / 1e6:.2f} MB); "
+        return (f"saved {self.path} ({plural(len(self.files), 'file')}, {self.total_bytes / 1e6:.2f} MB); "
                 f"this rank wrote {self.bytes_written / 1e6:.2f} MB in {self.seconds:.3f} s")

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 import zload
 
 from tests.support import models
-from tests.support.checkpoints import save_sharded
+from tests.support.checkpoints import bin_weights_folder, save_sharded
 from tests.support.harness import run_world
 from tests.support.zero3 import (
     assert_unchanged,
@@ -188,18 +188,19 @@ def test_non_strict_reports_missing_and_unexpected(tmp_path):
     del state["odd.bias"]
     state["extra.weight"] = torch.ones(2)
     folder = save_sharded(state, tmp_path / "ckpt", shards=2)
-    for load in run_world(2, _load_awkward_recording_warnings, folder, strict=False):
+    for rank, load in enumerate(run_world(2, _load_awkward_recording_warnings, folder, strict=False)):
         assert load.report.missing == ["odd.bias"] and load.report.unexpected == ["extra.weight"]
-        assert any("extra.weight" in m for m in load.messages) and any("odd.bias" in m for m in load.messages)
+        warned = any("extra.weight" in m for m in load.messages) and any("odd.bias" in m for m in load.messages)
+        assert warned == (rank == 0), load.messages  # the warnings every rank would give: rank 0 gives them
 
 
 def test_strict_load_only_warns_about_unexpected_tensors(tmp_path):
     state = models.state_with_seed(models.Awkward, seed=11)
     state["extra.weight"] = torch.ones(2)
     folder = save_sharded(state, tmp_path / "ckpt", shards=2)
-    for load in run_world(2, _load_awkward_recording_warnings, folder):
+    for rank, load in enumerate(run_world(2, _load_awkward_recording_warnings, folder)):
         assert load.report.unexpected == ["extra.weight"]
-        assert any("extra.weight" in m for m in load.messages)
+        assert any("extra.weight" in m for m in load.messages) == (rank == 0), load.messages
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,13 +296,8 @@ def _load_with_an_orphan_on_rank_1(path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_orphan_on_one_rank_only_fails_every_rank(tmp_path, world):
     """Rank 1 alone waited in the orphan's broadcast while the others returned success."""
-    def factory():
-        model = models.TinyViT()
-        models.patch_layerscales(model)
-        return model
-
     path = tmp_path / "model.safetensors"
-    save_file(models.state_with_seed(factory, seed=14), str(path))
+    save_file(models.state_with_seed(models.patched_tiny_vit, seed=14), str(path))
     results = run_world(world, _load_with_an_orphan_on_rank_1, path, timeout=60)
     kind, message = _same(results)
     lacking = "rank 0's" if world == 2 else "those of ranks 0, 2"
@@ -347,3 +343,15 @@ def test_agreeing_on_the_call_adds_no_collective(tmp_path):
     for sample, full in run_world(2, _collectives_of_loads, folder, ["sample", "full"]):
         assert sample == ["all_reduce", "all_reduce"], sample
         assert full[0] == "all_reduce" and full[-1] == "all_reduce", full
+
+
+def _load_bin_folder(folder):
+    with pytest.raises(zload.CheckpointNotFoundError) as info:
+        zload.load_into(torch.nn.Linear(3, 2), folder)
+    return str(info.value)
+
+
+def test_load_into_says_to_convert_bin_weights_on_every_rank(tmp_path):
+    folder = bin_weights_folder(tmp_path / "single", "single")
+    messages = run_world(2, _load_bin_folder, str(folder))
+    assert messages[0] == messages[1] and "it holds PyTorch .bin weights (pytorch_model.bin)" in messages[0]

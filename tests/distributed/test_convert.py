@@ -16,6 +16,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -225,7 +226,7 @@ def test_only_a_config_inside_the_checkpoint_is_copied(zero3_w2, tmp_path):
     weights = _files(tmp_path / "reference")
     for name in ("outside", "relative", "through"):
         (note,), [] = warned[name]
-        assert note == (f"zload: {checkpoints[name] / 'config.json'} is not copied beside the weights: it is "
+        assert note == (f"{checkpoints[name] / 'config.json'} is not copied beside the weights: it is "
                         f"a link to '{tmp_path / 'token'}', outside {checkpoints[name]}, and no other file of "
                         "this machine (a token, a key) may end up there; copy the model's config.json there "
                         "yourself")
@@ -248,7 +249,7 @@ def test_a_config_that_is_no_regular_json_file_is_left_out(zero3_w2, tmp_path, k
     why = {"fifo": "is a FIFO, not a regular file", "not-json": "not JSON zload reads",
            "folder": "is a directory, not a regular file", "dangling": "cannot read: No such file"}[kind]
     assert len(notes) == 1, notes
-    assert notes[0].startswith(f"zload: {folder / 'config.json'} is not copied beside the weights: {read}: {why}")
+    assert notes[0].startswith(f"{folder / 'config.json'} is not copied beside the weights: {read}: {why}")
     assert notes[0].endswith("; copy the model's config.json there yourself"), notes
     zload.convert(zero3_w2.folder, tmp_path / "reference")
     weights = _files(tmp_path / "reference")["model.safetensors"]
@@ -263,7 +264,7 @@ def test_zload_convert_warns_of_the_config_it_leaves_out(zero3_w2, tmp_path):
     done = subprocess.run([sys.executable, "-m", "zload", "convert", str(folder), str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (f"ZloadWarning: zload: {folder / 'config.json'} is not copied beside the weights: it is a link to "
+    assert (f"ZloadWarning: {folder / 'config.json'} is not copied beside the weights: it is a link to "
             f"'{tmp_path / 'token'}', outside {folder}") in done.stderr, done.stderr[-3000:]
     assert sorted(os.listdir(tmp_path / "out")) == ["model.safetensors"]
 
@@ -361,7 +362,7 @@ def test_a_file_size_limit_fails_zload_convert_under_torchrun(zero3_w2, tmp_path
     assert done.returncode != 0, done.stdout[-3000:]
     # each rank that reports before torchrun stops the others when the first exits (their lines
     # may interleave)
-    errors = done.stderr.count(f"zload: error: zload: cannot save to {out}; nothing was written:")
+    errors = done.stderr.count(f"zload: error: cannot save to {out}; nothing was written:")
     assert errors >= 1 and done.stderr.count(
         "/model.safetensors: the file would be larger than its filesystem or this process (ulimit -f) allows "
         "(EFBIG); write smaller shards (max_shard_size)") == errors, done.stderr[-3000:]
@@ -398,14 +399,78 @@ def test_cli_under_torchrun(zero3_w2, tmp_path):
            "-m", "zload", "convert", str(zero3_w2.folder), str(tmp_path / "out")]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("zload: saved") == 2
+    assert done.stdout.count(f"saved {cmd[-1]} (") == 2
     # gloo sometimes aborts at interpreter exit after the work is done; a finished conversion must
     # still exit 0: here every rank's teardown aborts (an exit handler that calls abort)
     aborting = {**env, "PYTHONPATH": f"{exit_aborting_hook(tmp_path / 'hook')}{os.pathsep}{REPO}"}
     cmd[-1] = str(tmp_path / "aborting")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=aborting)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("zload: saved") == 2  # the report is printed before leaving
+    assert done.stdout.count(f"saved {cmd[-1]} (") == 2  # the report is printed before leaving
     assert _files(tmp_path / "aborting") == _files(tmp_path / "out")
     zload.convert(zero3_w2.folder, tmp_path / "one")
     assert _files(tmp_path / "out") == _files(tmp_path / "one")
+
+
+# ``zload convert`` started by a process of a distributed job inherits its RANK, WORLD_SIZE,
+# MASTER_ADDR and MASTER_PORT: it converts alone when told to, else fails within seconds
+
+def _zload_convert_child(folder, out, args, env) -> tuple[int, float, str] | None:
+    """Rank 0 runs ``zload convert`` as a subprocess (its environment inherited), as a training
+    script converting after training would."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "zload", "convert", str(folder), str(out), *args],
+                          capture_output=True, text=True, timeout=200,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **env})
+    return done.returncode, time.monotonic() - start, done.stderr
+
+
+@pytest.mark.parametrize("args,env", [(["--single-process"], {}), ([], {"ZLOAD_SINGLE_PROCESS": "1"})])
+def test_convert_from_inside_a_job_runs_as_one_process_when_told(zero3_w2, tmp_path, args, env):
+    status, _, stderr = run_world(2, _zload_convert_child, zero3_w2.folder, tmp_path / "out", args, env)[0]
+    assert status == 0, stderr[-3000:]
+    zload.convert(zero3_w2.folder, tmp_path / "one")
+    assert _files(tmp_path / "out") == _files(tmp_path / "one")
+
+
+def _assert_fails_within_seconds(result, out: Path, why: str) -> None:
+    status, seconds, stderr = result
+    assert status == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert seconds < 40, f"{seconds:.0f} s"  # the command's own wait is 5 s; the rest is importing torch
+    assert "zload: error: this zload convert's environment (RANK=0, WORLD_SIZE=2, MASTER_ADDR:MASTER_PORT=" in stderr
+    assert why in stderr and "pass --single-process (or set ZLOAD_SINGLE_PROCESS=1)" in stderr, stderr
+    assert "torchrun --nproc_per_node 2 -m zload convert" in stderr and "Nothing was written." in stderr
+    assert not out.exists()
+
+
+def test_convert_from_inside_a_job_fails_within_seconds(zero3_w2, tmp_path):
+    """The job's rank 0 holds the store at MASTER_PORT (no torchrun agent): the child cannot use it."""
+    result = run_world(2, _zload_convert_child, zero3_w2.folder, tmp_path / "out", [], {})[0]
+    _assert_fails_within_seconds(result, tmp_path / "out", "could not be used")
+
+
+WORKER = """
+import json, os, subprocess, sys, time
+if os.environ["RANK"] == "0":
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "zload", "convert", *sys.argv[1:]], capture_output=True, text=True)
+    print(json.dumps([done.returncode, time.monotonic() - start, done.stderr]))
+"""
+
+
+@pytest.mark.slow
+def test_convert_from_inside_a_torchrun_worker_fails_within_seconds(zero3_w2, tmp_path):
+    """Under torchrun the workers share the agent's store: the child joins it, and rank 1's
+    process never comes."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(tmp_path / "worker.py"), str(zero3_w2.folder), str(tmp_path / "out")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _assert_fails_within_seconds(json.loads(done.stdout.strip().splitlines()[-1]), tmp_path / "out",
+                                 "within 5 s the process of rank 1 did not come; its parent process (")

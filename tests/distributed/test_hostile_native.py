@@ -135,7 +135,7 @@ def test_latest_naming_no_tag_folder_inside(ckpt, tag):
     (ckpt.folder / "latest").write_text(tag)
     kind, message, path, _ = refused(ckpt.folder)
     latest = str(ckpt.folder / "latest")
-    assert message.startswith(f"zload: cannot load {ckpt.folder}") and f"{latest}:" in message
+    assert message.startswith(f"cannot load {ckpt.folder}") and f"{latest}:" in message
     if tag in ("zero_to_fp32.py", "global_step9"):
         assert kind == "CheckpointNotFoundError" and f"names the tag '{tag}'" in message and "is not a folder" in message
     elif len(tag) > 4096:
@@ -385,6 +385,17 @@ def test_another_ranks_file_of_the_same_size(ckpt):
     kind, message, path, _ = refused(ckpt.folder)
     assert kind == "InvalidCheckpointError" and path == str(optim(ckpt, 1))
     assert f"was written as {optim(ckpt, 0).name}" in message
+
+
+def test_a_partition_count_of_10_to_the_12_names_the_first_missing_ranks(ckpt):
+    """A hostile count of ranks: the first missing named, and how many more (listing every one
+    was a hang)."""
+    def count(state):
+        state["optimizer_state_dict"]["partition_count"] = 10**12
+    _resave(optim(ckpt, 0), count)
+    kind, message, path, _ = refused(ckpt.folder)
+    assert kind == "CheckpointNotFoundError" and path == str(ckpt.tag_folder)
+    assert f"of rank(s) [2, 3, 4, 5, 6, 7, 8, 9, ... ({10**12 - 10} more)] are missing" in message, message
 
 
 def test_a_missing_rank_file(ckpt):

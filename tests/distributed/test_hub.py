@@ -103,3 +103,17 @@ def test_load_into_a_repo_id(snapshot, cache, world):
     """load_into finds no rank with a local path REPO, resolves it from the cache, and loads."""
     for compared, source in run_world(world, _load_repo, cache):
         assert compared == len(STATE) and Path(source) == snapshot
+
+
+def _load_repo_telling(cache):
+    from tests.distributed.test_output import _telling
+
+    with hub_cache(cache):
+        return _telling(lambda: zload.load_into(Tiny(), REPO)).records
+
+
+def test_the_repo_resolved_is_logged_by_rank_0(snapshot, cache):
+    """With the load's report: the same on every rank, so rank 0 alone says it."""
+    on_0, on_1 = run_world(2, _load_repo_telling, cache)
+    assert any(REPO in record and str(snapshot) in record for record in on_0), on_0
+    assert on_1 == []

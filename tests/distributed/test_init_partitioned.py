@@ -334,12 +334,7 @@ def _orphans_repaired(path):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_openvla_orphans_are_repaired_in_a_model_built_by_init(tmp_path, world):
-    def patched():
-        model = models.TinyViT()
-        models.patch_layerscales(model)
-        return model
-
-    save_file(models.state_with_seed(patched, seed=12), str(tmp_path / "m.safetensors"))
+    save_file(models.state_with_seed(models.patched_tiny_vit, seed=12), str(tmp_path / "m.safetensors"))
     for repaired in run_world(world, _orphans_repaired, tmp_path / "m.safetensors"):
         assert len(repaired) == 2
 

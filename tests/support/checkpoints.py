@@ -48,3 +48,24 @@ def metadata_with_digest(path) -> dict[str, str]:
     blocks = b"".join(hashlib.sha256(data[i:i + block]).digest() for i in range(0, len(data), block))
     assert metadata.pop("zload_data_digest") == "sha256/16MiB:" + hashlib.sha256(blocks).hexdigest(), path
     return metadata
+
+
+BIN_STATE = {"a.weight": torch.arange(6.0).reshape(2, 3), "b.bias": torch.ones(4, dtype=torch.bfloat16)}
+
+
+def bin_weights_folder(folder: Path, kind: str) -> Path:
+    """A folder of PyTorch ``.bin`` weights as ``save_pretrained(safe_serialization=False)`` writes
+    them: one ``pytorch_model.bin`` (``kind`` "single") or two shards and their index ("sharded"),
+    with a config and a Trainer's ``training_args.bin``, which holds no weights."""
+    folder.mkdir()
+    if kind == "single":
+        torch.save(BIN_STATE, folder / "pytorch_model.bin")
+    else:
+        names = {"pytorch_model-00001-of-00002.bin": ["a.weight"], "pytorch_model-00002-of-00002.bin": ["b.bias"]}
+        for file, keys in names.items():
+            torch.save({k: BIN_STATE[k] for k in keys}, folder / file)
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"weight_map": {k: f for f, keys in names.items() for k in keys}}))
+    (folder / "config.json").write_text("{}")
+    (folder / "training_args.bin").write_bytes(b"not weights")
+    return folder

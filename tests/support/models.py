@@ -77,6 +77,13 @@ def patch_layerscales(model: nn.Module) -> None:
             ls_apply_patch(module)
 
 
+def patched_tiny_vit() -> nn.Module:
+    """A ``TinyViT`` after OpenVLA's LayerScale patch: the checkpoint of a model with orphans."""
+    model = TinyViT()
+    patch_layerscales(model)
+    return model
+
+
 def state_with_seed(factory, seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
     """A checkpoint-ready state dict of ``factory()`` with values unlike any default init."""
     torch.manual_seed(seed)

@@ -6,6 +6,7 @@ wrong total or share in the CLI cannot agree with itself.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -19,10 +20,10 @@ from safetensors.torch import save_file
 
 import zload
 
-from zload.cli import human_bytes, main
+from zload.cli import _parser, human_bytes, main
 
-from tests.support import REPO
-from tests.support.checkpoints import save_sharded
+from tests.support import REPO, python
+from tests.support.checkpoints import bin_weights_folder, save_sharded
 
 
 def make_state() -> dict[str, torch.Tensor]:
@@ -251,7 +252,7 @@ def test_python_dash_m_exit_codes(sharded, tmp_path):
 
 
 def test_validate_full_checks_the_digests_zload_save_recorded(tmp_path, capsys):
-    from zload.cli import human_bytes, main
+    from zload.cli import main
 
     model = torch.nn.Linear(300, 200)
     zload.save(model, tmp_path / "ckpt", max_shard_size=100_000)
@@ -276,3 +277,76 @@ def test_human_bytes():
     assert human_bytes(1234) == "1.23 KB"
     assert human_bytes(4_560_000_000) == "4.56 GB"
     assert human_bytes(2 * 10**12) == "2.00 TB"
+
+
+# --- a newcomer's first commands: answered at once, every argument explained, .bin weights named
+
+HEAVY = ("torch", "numpy", "safetensors", "huggingface_hub", "deepspeed", "transformers")
+TIMED = """
+import sys, time, contextlib, io
+start = time.perf_counter()
+from zload.cli import main
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    status = main(sys.argv[1:])
+elapsed = time.perf_counter() - start
+print(status, round(elapsed, 3), sorted(m for m in {heavy} if m in sys.modules), out.getvalue().splitlines()[0])
+""".replace("{heavy}", repr(HEAVY))
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["inspect", "--help"], ["plan", "--help"],
+                                  ["validate", "--help"], ["convert", "--help"]])
+def test_version_and_help_import_no_torch(args):
+    done = python(["-c", TIMED, *args])
+    status, elapsed, heavy, first = done.stdout.split(" ", 3)
+    assert (status, heavy) == ("0", "[]"), done.stdout + done.stderr
+    assert float(elapsed) < 0.5, f"{args}: {elapsed} s"
+    assert first.startswith("zload 0.1.0" if args == ["--version"] else "usage: zload")
+
+
+def test_the_module_and_console_entry_points_import_no_torch():
+    code = "import sys, zload, zload.cli, zload.__main__; print(sorted(m for m in {} if m in sys.modules))"
+    assert python(["-c", code.format(repr(HEAVY))]).stdout.strip() == "[]"
+    done = python(["-X", "importtime", "-m", "zload", "--version"])
+    assert done.stdout.strip() == f"zload {zload.__version__}"
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()}
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def _actions(parser: argparse.ArgumentParser, prefix: str = "zload"):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helped = {choice.dest for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                yield f"{prefix} {name}", name in helped
+                yield from _actions(sub, f"{prefix} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            yield f"{prefix} {'/'.join(action.option_strings) or action.dest}", bool(action.help)
+
+
+def test_every_command_and_argument_has_a_help_text():
+    actions = dict(_actions(_parser()))
+    assert {"zload inspect", "zload plan PATH", "zload convert --single-process"} - set(actions) == {"zload plan PATH"}
+    assert len(actions) > 20
+    assert [name for name, helped in actions.items() if not helped] == []
+
+
+@pytest.mark.parametrize("kind", ["single", "sharded"])
+def test_a_folder_of_bin_weights_says_to_convert_them(tmp_path, kind, capsys):
+    folder = bin_weights_folder(tmp_path / kind, kind)
+    with pytest.raises(zload.CheckpointNotFoundError) as info:
+        zload.open_checkpoint(folder)
+    message = str(info.value)
+    assert "found no safetensors files and no DeepSpeed checkpoint; it holds PyTorch .bin weights (" in message
+    assert "training_args.bin" not in message
+    assert "zload reads safetensors only: convert them once with transformers" in message
+    assert "save_pretrained(OUT, safe_serialization=True)" in message
+    assert main(["inspect", str(folder)]) == 2
+    assert "PyTorch .bin weights" in capsys.readouterr().err
+
+
+def test_a_bin_file_or_index_says_to_convert_it(tmp_path):
+    folder = bin_weights_folder(tmp_path / "sharded", "sharded")
+    for path in (folder / "pytorch_model-00001-of-00002.bin", folder / "pytorch_model.bin.index.json"):
+        with pytest.raises(zload.InvalidCheckpointError, match=r"not a safetensors file or index; it holds PyTorch "
+                           r"\.bin weights \(pytorch_model"):
+            zload.open_checkpoint(path)

@@ -180,3 +180,15 @@ def test_a_problem_keeps_the_fields_of_its_class():
     with pytest.raises(zload.PeerLostError) as info:
         raise_for([problems, []], "failed")
     assert (info.value.stage, info.value.path, info.value.ranks) == ("saving", "p", (0,))
+
+
+def test_an_error_of_many_ranks_problems_is_capped_and_shows_its_own():
+    from zload.distributed import MAX_PROBLEMS_SHOWN
+
+    gathered = [[Problem(zload.PlanError, f"'w{rank}.{k}': shape") for k in range(3)] for rank in range(64)]
+    gathered[63].append(Problem(zload.InvalidCheckpointError, "f: bad", {"path": "f", "tensor": None}))
+    with pytest.raises(zload.InvalidCheckpointError) as refused:
+        raise_for(gathered, "refused")
+    lines = str(refused.value).splitlines()
+    assert len(lines) == 1 + MAX_PROBLEMS_SHOWN + 1, lines
+    assert "[rank 63] f: bad" in str(refused.value) and lines[-1] == f"  - ... and {64 * 3 + 1 - 10} more problems"

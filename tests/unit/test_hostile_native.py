@@ -1,6 +1,7 @@
 """Hostile DeepSpeed checkpoints, what needs no world: unpickling allocates no more than the pickle
-itself holds, and what ``torch.save`` writes is not refused. Tampered checkpoints loaded on every
-rank: tests/distributed/test_hostile_native.py."""
+itself holds, what ``torch.save`` writes is not refused, and a file name's rank of 10**12 is no
+list of 10**12 ranks. Tampered checkpoints loaded on every rank:
+tests/distributed/test_hostile_native.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import zipfile
 
 import pytest
 import torch
+from torch import nn
+
+import zload
 
 
 transformers = pytest.importorskip("transformers")
@@ -118,3 +122,14 @@ def test_what_torch_save_writes_is_not_refused():
     with zipfile.ZipFile(buffer) as archive:
         (name,) = [n for n in archive.namelist() if n.endswith("data.pkl")]
         check_pickle(archive.read(name))
+
+
+def test_the_first_missing_ranks_of_a_checkpoint_naming_rank_10_to_the_12_are_named(tmp_path):
+    """A hostile file name's rank: no list of every rank below it (it was one: a hang, then
+    gigabytes of message)."""
+    for rank in (0, 10**12):
+        for kind in ("optim", "model"):
+            (tmp_path / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt").touch()
+    with pytest.raises(zload.CheckpointNotFoundError) as refused:
+        zload.load_into(nn.Linear(2, 2), tmp_path)
+    assert "of rank(s) [1, 2, 3, 4, 5, 6, 7, 8, ... (999999999991 more)] are missing" in str(refused.value)

@@ -221,7 +221,8 @@ def test_without_huggingface_hub(monkeypatch):
 
 
 def test_zload_imports_without_huggingface_hub():
-    code = "import sys; sys.modules['huggingface_hub'] = None; import zload, zload.checkpoint.hub"
+    code = ("import sys; sys.modules['huggingface_hub'] = None; "
+            "import zload, zload.checkpoint.hub, zload.checkpoint.open")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

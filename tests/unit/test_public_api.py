@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
+
 import zload
+
+from tests.support import python
 
 
 def test_exports_are_what_users_receive_or_pass():
@@ -56,3 +60,18 @@ def test_modules_meet_through_public_names():
                   and isinstance(node.value, ast.Attribute) and node.value.attr.startswith("_")):
                 crossings.append(f"{path.name}:{node.lineno}: ...{node.value.attr}.{node.attr}")
     assert not crossings, crossings
+
+
+def test_the_lazy_package_gives_every_public_name():
+    """``import zload`` imports torch only when a name that needs it is first used."""
+    code = ("import zload, sys; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from zload import load_into, LoadReport, ZloadError; "
+            "assert 'torch' in sys.modules and zload.LoadReport is LoadReport; "
+            "assert set(zload.__all__) <= set(dir(zload)); "
+            "assert all(getattr(zload, n) is not None for n in zload.__all__); "
+            "from zload import *; g = globals(); print(all(g[n] is getattr(zload, n) for n in zload.__all__))")
+    done = python(["-c", code])
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
+    assert zload.__version__ == "0.1.0"
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        zload.nothing  # noqa: B018

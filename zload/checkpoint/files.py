@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 import weakref
 from dataclasses import dataclass, field
 
@@ -100,6 +101,22 @@ def open_regular(path: str) -> OpenFile:
         os.close(fd)
         raise
     return OpenFile(path, fd, Identity.of(st))
+
+
+def header_only(path: str, data: bytes, size: int) -> OpenFile:
+    """The file ``path`` that is not on this machine (a Hub repo's, read by HTTP range requests) as
+    far as ``data``, its first bytes, go: an anonymous sparse temporary file of the file's ``size``
+    bytes, so that its header is parsed and checked against that size exactly as a local file's.
+    The rest is a hole: only commands that read no tensor data open files this way."""
+    fd, name = tempfile.mkstemp(prefix="zload-header-")
+    try:
+        os.unlink(name)
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, size)
+        return OpenFile(path, fd, Identity.of(os.fstat(fd)))
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _close_all(fds: list[int]) -> None:

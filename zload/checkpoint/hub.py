@@ -5,19 +5,29 @@ only when a repo id is actually given, so that zload works without it. Only what
 fetched: safetensors files, their index and the configs, never ``*.bin`` or ``*.pt`` copies of the
 same weights. One process per node downloads (local rank 0) while the others wait, so that N ranks
 do not fetch the same gigabytes N times, and a failure on any rank is raised on every rank.
+
+Commands that read no tensor data (``zload inspect``, ``plan``, ``validate``) download no weights:
+``RemoteRepo`` reads each safetensors header by two HTTP range requests, as huggingface_hub's
+``get_safetensors_metadata`` does. That function is not called: it returns headers it parsed
+itself (loosely: a duplicate key or ``NaN`` passes, the file's size is never checked), and zload
+must validate the very bytes, with its own parser, against the file's size.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
-from ..distributed import Problem, agree, rank_and_world
+from ..distributed import Problem, agree, rank_and_world, speaks_for_all
 from ..errors import CheckpointError, CheckpointNotFoundError
+from .files import OpenFile, header_only
+from .index import MAX_INDEX_BYTES, header_length
 
 logger = logging.getLogger("zload")
 
-ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json"]
+SMALL_FILES = ["*.safetensors.index.json", "config.json", "adapter_config.json"]  # besides the weights
+ALLOW_PATTERNS = ["*.safetensors", *SMALL_FILES]
 
 
 def download(path: str, revision: str | None, also: tuple[str, ...] = ()) -> str:
@@ -30,13 +40,8 @@ def download(path: str, revision: str | None, also: tuple[str, ...] = ()) -> str
     Every rank of a job must call it (two small collectives). Any failure is a ``CheckpointError``
     naming the repo, the revision and what to do next, raised on every rank.
     """
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise CheckpointNotFoundError(f"{_no_local(path)}; to load it as a Hub repo id, install "
-                                      f"huggingface_hub", path=path) from None
-    if not _could_be_repo_id(path):
-        raise CheckpointNotFoundError(f"{_no_local(path)}: check the path", path=path)
+    _check_repo_id(path)
+    from huggingface_hub import snapshot_download
 
     problems: list[Problem] = []
 
@@ -45,8 +50,7 @@ def download(path: str, revision: str | None, also: tuple[str, ...] = ()) -> str
             return snapshot_download(path, revision=revision, allow_patterns=ALLOW_PATTERNS + list(also),
                                      local_files_only=local_files_only)
         except Exception as e:  # every failure becomes one agreed CheckpointError
-            kind = CheckpointNotFoundError if _not_found(e, local_files_only) else CheckpointError
-            problems.append(Problem.of(kind(_explain(e, path, revision, local_files_only), path=path)))
+            problems.append(Problem.of(_failure(e, path, revision, local_files_only)))
             return None
 
     _, world = rank_and_world()
@@ -57,8 +61,117 @@ def download(path: str, revision: str | None, also: tuple[str, ...] = ()) -> str
     if not first:
         local = fetch(True)  # already downloaded: read the same snapshot from the shared cache
     agree(problems, what)
-    logger.info("Hub repo %s (revision %s) resolved to %s", path, revision or "main", local)
+    if speaks_for_all():
+        logger.info("Hub repo %s (revision %s) resolved to %s", path, revision or "main", local)
     return local
+
+
+def _check_repo_id(path: str) -> None:
+    """Raise unless huggingface_hub is installed and would take ``path`` (which names nothing
+    local) for a repo id."""
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        raise CheckpointNotFoundError(f"{_no_local(path)}; to load it as a Hub repo id, install "
+                                      f"huggingface_hub", path=path) from None
+    if not _could_be_repo_id(path):
+        raise CheckpointNotFoundError(f"{_no_local(path)}: check the path", path=path)
+
+
+@dataclass(frozen=True)
+class RemoteRepo:
+    """Hub repo ``repo`` at commit ``commit``, read over HTTP without downloading its weights:
+    ``sizes`` gives each of its files' size; ``header`` opens a safetensors file as far as its
+    header; ``download`` fetches a small file (an index, a config) into the Hugging Face cache."""
+
+    repo: str
+    revision: str | None  # as the user named it
+    commit: str
+    sizes: dict[str, int]
+
+    def url(self, name: str) -> str:
+        from huggingface_hub import hf_hub_url
+
+        return hf_hub_url(self.repo, name, revision=self.commit)
+
+    def download(self, name: str) -> str:
+        """The local copy of the small file ``name`` (in the Hugging Face cache)."""
+        from huggingface_hub import hf_hub_download
+
+        if self.sizes[name] > MAX_INDEX_BYTES:
+            raise CheckpointError(f"{self.url(name)}: {self.sizes[name]} bytes, over the {MAX_INDEX_BYTES}-byte "
+                                  "limit zload sets for a JSON file", path=self.url(name))
+        return self._asking(lambda: hf_hub_download(self.repo, name, revision=self.commit))
+
+    def header(self, name: str) -> OpenFile:
+        """File ``name`` opened as far as its header (``files.header_only``), fetched by two range
+        requests: its first 8 bytes (the header's length, checked against the file's size before
+        more is asked), then the header; never a byte of tensor data."""
+        url, size = self.url(name), self.sizes.get(name)
+        if size is None:
+            raise CheckpointNotFoundError(f"{url}: no such file in {self.repo} at {self.commit}", path=url)
+        prefix = self._range(url, 0, min(8, size))
+        length = header_length(url, size, prefix)
+        return header_only(url, prefix + self._range(url, 8, length), size)
+
+    def _range(self, url: str, start: int, length: int) -> bytes:
+        """Bytes ``[start, start + length)`` of the file at ``url``, asked for as huggingface_hub
+        asks for a header (its session, headers, token and timeout). The answer is streamed and
+        read no further than asked: a server that ignores the range never sends the weights."""
+        if not length:
+            return b""
+        from huggingface_hub import constants
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        def get() -> tuple[int, bytes]:
+            asked = {**build_hf_headers(), "range": f"bytes={start}-{start + length - 1}"}
+            data = bytearray()
+            with get_session().stream("GET", url, headers=asked,
+                                      timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+                hf_raise_for_status(response)
+                for chunk in response.iter_bytes() if response.status_code == 206 else ():
+                    data += chunk
+                    if len(data) > length:
+                        break
+            return response.status_code, bytes(data)
+
+        status, data = self._asking(get)
+        if status != 206 or len(data) != length:
+            answer = (f"answered {status}, not 206 (partial content)" if status != 206 else
+                      f"sent {'more than ' if len(data) > length else ''}{len(data)} bytes")
+            raise CheckpointError(f"{url}: asked for bytes {start} to {start + length - 1}, the server {answer}; "
+                                  "it must serve HTTP range requests", path=url)
+        return data
+
+    def _asking(self, call):
+        """``call()``, any failure of huggingface_hub's a ``CheckpointError`` saying what to do."""
+        try:
+            return call()
+        except Exception as e:
+            raise _failure(e, self.repo, self.revision, False, f"cannot load '{self.repo}': ") from e
+
+
+def remote_repo(path: str, revision: str | None) -> RemoteRepo | None:
+    """Hub repo ``path`` at ``revision``, to be read over HTTP (one API call lists its files);
+    None when huggingface_hub is offline (``HF_HUB_OFFLINE``): then only the cache can serve it
+    (``download``). One process."""
+    _check_repo_id(path)
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        info = HfApi().model_info(path, revision=revision, files_metadata=True)
+    except Exception as e:
+        raise _failure(e, path, revision, False, f"cannot load '{path}': ") from e
+    return RemoteRepo(path, revision, info.sha, {s.rfilename: s.size for s in info.siblings or ()})
+
+
+def _failure(e: Exception, repo: str, revision: str | None, local_files_only: bool,
+             heading: str = "") -> CheckpointError:
+    """``e``, raised by huggingface_hub, as the ``CheckpointError`` that says what to do."""
+    kind = CheckpointNotFoundError if _not_found(e, local_files_only) else CheckpointError
+    return kind(heading + _explain(e, repo, revision, local_files_only), path=repo)
 
 
 def _could_be_repo_id(path: str) -> bool:

@@ -12,9 +12,10 @@ import json
 import os
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from math import prod
+from urllib.parse import quote
 
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidCheckpointError
 from ..report import brief
@@ -121,13 +122,16 @@ class CheckpointIndex:
     # SHA-256 of the index's weight map (which file holds each tensor; "" without an index): ranks
     # that lack some shards take those shards' tensors from another rank's map, so the maps must agree
     weight_map_sha256: str = ""
+    # A Hub repo read over HTTP (``open.open_source(headers_only=True)``): the URL its files lie
+    # under, their headers alone read; ``root`` then holds only its index and config
+    remote: str = ""
     # what a DeepSpeed checkpoint's files hold beyond tensors (``native.NativeLayout``), which a
     # resume reads its optimizer states from; None for safetensors and for an index shared by ranks
     layout: object = field(default=None, compare=False, repr=False)
 
     def path(self, key: str) -> str:
-        """Where the file ``key`` lies on this machine."""
-        return os.path.join(self.root, key)
+        """Where the file ``key`` lies: on this machine, or, for a ``remote`` repo, its URL."""
+        return self.remote + quote(key) if self.remote else os.path.join(self.root, key)
 
     @property
     def total_bytes(self) -> int:
@@ -279,20 +283,28 @@ def read_json(opened: OpenFile) -> tuple[object, bytes]:
         raise InvalidCheckpointError(f"{path}: not JSON zload reads: {str(e)[:300]}", path=path) from e
 
 
-def parse_header(opened: OpenFile, key: str) -> dict[str, TensorEntry]:
-    """Parse and validate the header of an opened safetensors file (the checkpoint's file ``key``);
-    returns its tensors by name and records the header's digest, data start and metadata in
-    ``opened``."""
-    path, file_size = opened.path, opened.identity.size
+def header_length(path: str, file_size: int, prefix: bytes) -> int:
+    """The header length that the first bytes ``prefix`` (8, or the whole file if shorter) of the
+    ``file_size``-byte safetensors file ``path`` give, refused before the header is read if the
+    file cannot hold it."""
     if file_size < 8:
         raise InvalidCheckpointError(f"{path}: file is {file_size} bytes, too short to be safetensors", path=path)
-    (header_len,) = struct.unpack("<Q", pread_exactly(opened, 8, 0))
+    (header_len,) = struct.unpack("<Q", prefix)
     if header_len > MAX_HEADER_BYTES:
         raise InvalidCheckpointError(f"{path}: header length {header_len} exceeds the "
                                      f"{MAX_HEADER_BYTES}-byte limit of the safetensors format", path=path)
     if 8 + header_len > file_size:
         raise InvalidCheckpointError(f"{path}: header length {header_len} runs past the end of the "
                                      f"{file_size}-byte file (truncated?)", path=path)
+    return header_len
+
+
+def parse_header(opened: OpenFile, key: str) -> dict[str, TensorEntry]:
+    """Parse and validate the header of an opened safetensors file (the checkpoint's file ``key``);
+    returns its tensors by name and records the header's digest, data start and metadata in
+    ``opened``."""
+    path, file_size = opened.path, opened.identity.size
+    header_len = header_length(path, file_size, pread_exactly(opened, min(8, file_size), 0))
     header_bytes = pread_exactly(opened, header_len, 8)
 
     try:
@@ -373,7 +385,10 @@ def shard_path(folder: str, shard: str) -> str | None:
     return os.path.join(folder, normal)
 
 
-def index_from_weight_map(index_path: str, table: FileTable, missing_ok: bool) -> CheckpointIndex:
+def index_from_weight_map(index_path: str, table: FileTable, missing_ok: bool,
+                          open_file: Callable[[str], OpenFile] = open_regular) -> CheckpointIndex:
+    """The checkpoint of the index ``index_path``: its shards opened with ``open_file`` (a path in
+    the index's folder -> the file opened; ``CheckpointNotFoundError`` if there is none)."""
     weight_map = read_weight_map(index_path, table)
     folder = os.path.dirname(os.path.abspath(index_path))
     shards = sorted(set(weight_map.values()))
@@ -389,17 +404,15 @@ def index_from_weight_map(index_path: str, table: FileTable, missing_ok: bool) -
     absent: set[str] = set()  # shard names
     for shard in shards:
         try:
-            os.stat(paths[shard])
-        except FileNotFoundError:
+            opened = open_file(paths[shard])
+        except CheckpointNotFoundError:
             if missing_ok:
                 absent.add(shard)
                 continue
             raise CheckpointNotFoundError(f"{paths[shard]}: shard listed in {index_path} does not exist",
                                           path=paths[shard]) from None
-        except OSError:
-            pass  # open_regular names the problem
         key = os.path.relpath(paths[shard], folder)
-        for name, entry in parse_header(table.add(open_regular(paths[shard]), key), key).items():
+        for name, entry in parse_header(table.add(opened, key), key).items():
             if name in tensors:
                 raise InvalidCheckpointError(f"{paths[shard]}: tensor {brief(name)} also appears in "
                                              f"{os.path.join(folder, tensors[name].file)}", path=paths[shard],

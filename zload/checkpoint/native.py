@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from ..errors import CheckpointNotFoundError, InvalidCheckpointError
-from ..report import brief
+from ..report import brief, ranks_listed, shortened
 from .files import FileTable, OpenFile, open_regular
 from .index import DTYPES, MAX_HEADER_BYTES, CheckpointIndex, Fragment, TensorEntry, pread_exactly, shard_path
 from .partition import Partition
@@ -527,7 +527,7 @@ class NativeLayout:
 
 
 def _files(flat: list[Stored]) -> str:
-    return ", ".join(dict.fromkeys(s.file for s in flat)) or "no flat groups"
+    return shortened(list(dict.fromkeys(s.file for s in flat)), 3) or "no flat groups"
 
 
 def _quoted(names, limit: int = 3) -> str:
@@ -894,8 +894,10 @@ def _rank_files(folder: str, names: list[str], pattern: re.Pattern, what: str) -
                                          "remove the one an older save left", path=os.path.join(folder, name))
         found[rank] = name
     if sorted(found) != list(range(len(found))):
-        missing = sorted(set(range(max(found, default=-1) + 1)) - set(found))
-        raise CheckpointNotFoundError(f"{folder}: the {what} of rank(s) {missing} are missing (a save that did "
+        # the first few missing, and how many more: a name may say rank 10**12, too many to list
+        first = [rank for rank in range(min(max(found), len(found) + 8)) if rank not in found]
+        missing = shortened(first, total=max(found) + 1 - len(found))
+        raise CheckpointNotFoundError(f"{folder}: the {what} of rank(s) [{missing}] are missing (a save that did "
                                       "not finish, or files not copied from every node)", path=folder)
     return found
 
@@ -904,12 +906,12 @@ def _check_saved_ranks(folder: str, found: dict[int, str], saved: int, what: str
     """Raise unless ``found`` (ranks 0 to n - 1, from ``_rank_files``) holds the files of exactly the
     ``saved`` ranks that saved; ``why`` says where that count comes from."""
     if len(found) < saved:
-        raise CheckpointNotFoundError(f"{folder}: the {what} of rank(s) {list(range(len(found), saved))} are "
+        raise CheckpointNotFoundError(f"{folder}: the {what} of rank(s) {ranks_listed(range(len(found), saved))} are "
                                       f"missing ({why}): a save that did not finish, or files not copied from "
                                       "every node", path=folder)
     if len(found) > saved:
         extra = [found[rank] for rank in range(saved, len(found))]
-        raise InvalidCheckpointError(f"{folder}: {', '.join(extra)}: the {what} of rank(s) beyond the {saved} that "
+        raise InvalidCheckpointError(f"{folder}: {shortened(extra, 3)}: the {what} of rank(s) beyond the {saved} that "
                                      f"saved ({why}); remove the files an older save left",
                                      path=os.path.join(folder, extra[0]))
 

@@ -9,53 +9,78 @@ from __future__ import annotations
 
 import os
 import stat
-import warnings
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
-from ..distributed import Problem, agree, reduce_max
+from ..distributed import Problem, agree, reduce_max, warn_for_all
 from ..errors import (
     ArgumentValueError,
     CheckpointError,
     CheckpointNotFoundError,
     InvalidCheckpointError,
-    ZloadWarning,
 )
+from ..report import shortened
 from .files import FileTable, open_regular, refuse_irregular, stat_path
-from .hub import download
+from .hub import RemoteRepo, download, remote_repo
 from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, index_from_weight_map, parse_header
 from .native import LATEST, native_folder, open_native
+from .quantized import CONFIG_FILE
 
 
 def _start_file(path: str) -> str | None:
     """The file to start from: a .safetensors file or an index .json; None for a folder without
-    safetensors files. In a folder, the names ``from_pretrained`` looks for come first, in its
-    order (``model.safetensors``, then the index)."""
+    safetensors files."""
     st = stat_path(path) if os.path.lexists(path) else None
     if st is None:
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
     if not stat.S_ISDIR(st.st_mode):
         refuse_irregular(path, st)
         return path
+
+    def listing() -> list[str]:
+        try:
+            return os.listdir(path)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot list: {e.strerror}", path=path) from e
+
+    name = _start_name(path, lambda name: os.path.lexists(os.path.join(path, name)), listing)
+    return None if name is None else os.path.join(path, name)
+
+
+def _start_name(folder: str, holds: Callable[[str], bool], listing: Callable[[], list[str]]) -> str | None:
+    """The name of the file to start from in ``folder`` (a local folder or a Hub repo), which
+    ``holds`` a name or not and lists its names; None if it holds no safetensors file. The names
+    ``from_pretrained`` looks for come first, in its order (``model.safetensors``, then the index),
+    and are looked for without listing the folder."""
     for name in (SINGLE_FILE, INDEX_FILE):
-        if os.path.lexists(os.path.join(path, name)):
-            if name == SINGLE_FILE and os.path.lexists(os.path.join(path, INDEX_FILE)):
-                warnings.warn(f"zload: {path} holds both {SINGLE_FILE} and {INDEX_FILE}; loading "
-                              f"{SINGLE_FILE}, as from_pretrained does", ZloadWarning, stacklevel=2)
-            return os.path.join(path, name)
-    try:
-        listing = sorted(os.listdir(path))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot list: {e.strerror}", path=path) from e
-    indexes = [n for n in listing if n.endswith(".safetensors.index.json")]
-    singles = [n for n in listing if n.endswith(".safetensors")]
+        if holds(name):
+            if name == SINGLE_FILE and holds(INDEX_FILE):
+                warn_for_all(f"{folder} holds both {SINGLE_FILE} and {INDEX_FILE}; loading {SINGLE_FILE}, as "
+                             "from_pretrained does", stacklevel=3)
+            return name
+    names = sorted(listing())
+    indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+    singles = [n for n in names if n.endswith(".safetensors")]
     if len(indexes) == 1:
-        return os.path.join(path, indexes[0])
+        return indexes[0]
     if not indexes and len(singles) == 1:
-        return os.path.join(path, singles[0])
+        return singles[0]
     if indexes + singles:
-        raise InvalidCheckpointError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
-                                     f"{', '.join(indexes + singles)}", path=path)
+        raise InvalidCheckpointError(f"{folder}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
+                                     f"{shortened(indexes + singles)}", path=folder)
     return None  # no safetensors: perhaps a DeepSpeed checkpoint
+
+
+def pytorch_weights_hint(names) -> str:
+    """What to do about the PyTorch ``.bin`` weights among ``names`` (a folder's): "" if none."""
+    found = sorted(n for n in names if n.endswith(".bin.index.json") or (n.endswith(".bin") and "model" in n))
+    if not found:
+        return ""
+    return (f"; it holds PyTorch .bin weights ({shortened(found, 3)}), and zload reads safetensors only: "
+            "convert them once with transformers, e.g. AutoModelForCausalLM.from_pretrained(FOLDER)"
+            ".save_pretrained(OUT) (transformers 4: save_pretrained(OUT, safe_serialization=True)), "
+            "then load OUT")
 
 
 class IndexReader(Protocol):
@@ -79,7 +104,8 @@ def _native(path: str, table: FileTable, missing_ok: bool) -> CheckpointIndex:
     if folder is None:
         raise CheckpointNotFoundError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}, or a DeepSpeed "
                                       f"checkpoint ('{LATEST}' or *_model_states.pt); found no safetensors "
-                                      "files and no DeepSpeed checkpoint", path=path)
+                                      "files and no DeepSpeed checkpoint" + pytorch_weights_hint(os.listdir(path)),
+                                      path=path)
     return open_native(path, folder, table)
 
 
@@ -89,6 +115,9 @@ def _reader(path: str) -> tuple[IndexReader, str]:
     start = _start_file(path)
     if start is None:
         return _native, path
+    hint = pytorch_weights_hint([os.path.basename(start)])
+    if hint:
+        raise InvalidCheckpointError(f"{start}: not a safetensors file or index{hint}", path=start)
     return (index_from_weight_map if start.endswith(".json") else _single_file), start
 
 
@@ -109,10 +138,49 @@ def open_checkpoint(path: str | os.PathLike, *, missing_ok: bool = False) -> Che
         raise
 
 
-def open_source(path: str | os.PathLike, revision: str | None = None) -> CheckpointIndex:
+def open_source(path: str | os.PathLike, revision: str | None = None, *, headers_only: bool = False) -> CheckpointIndex:
     """Index ``path`` in one process as ``load_into`` would: a local path, else a Hub repo id's
-    snapshot at ``revision`` (downloaded into the Hugging Face cache if it is not there)."""
-    return open_checkpoint(local_path(path, revision))
+    snapshot at ``revision`` (downloaded into the Hugging Face cache if it is not there).
+
+    ``headers_only`` (for commands that read no tensor data): a repo id is read from the Hub by
+    range requests of its headers, its weights never downloaded; its files are opened only as far
+    as their headers (``files.header_only``). Offline, the cached snapshot is read as without it.
+    """
+    path = os.fspath(path)
+    remote = None if os.path.lexists(path) or not headers_only else remote_repo(path, revision)
+    if remote is None:
+        return open_checkpoint(local_path(path, revision))
+    table = FileTable()
+    try:
+        return _remote_index(remote, table)
+    except BaseException:
+        table.close()
+        raise
+
+
+def _remote_index(remote: RemoteRepo, table: FileTable) -> CheckpointIndex:
+    """The checkpoint of Hub repo ``remote``, found as in a local folder (``_start_name``), its
+    index and config downloaded (``root``: where the cache holds them), its safetensors files
+    opened as far as their headers; ``source`` names the repo and the commit read."""
+    names = [n for n in remote.sizes if "/" not in n]  # the repo's top folder, as a local folder's listing
+    where = f"{remote.repo} (revision {remote.revision or 'main'}, commit {remote.commit})"
+    start = _start_name(where, set(names).__contains__, lambda: names)
+    if start is None:
+        raise CheckpointNotFoundError(f"{where}: the Hub repo holds neither {INDEX_FILE} nor {SINGLE_FILE}"
+                                      + pytorch_weights_hint(names), path=remote.repo)
+    hint = pytorch_weights_hint([start])
+    if hint:
+        raise InvalidCheckpointError(f"{remote.url(start)}: not a safetensors file or index{hint}", path=start)
+    config = remote.download(CONFIG_FILE) if CONFIG_FILE in remote.sizes else None
+    if start.endswith(".json"):
+        index_path = remote.download(start)
+        folder = os.path.dirname(index_path)
+        index = index_from_weight_map(index_path, table, False,
+                                      lambda path: remote.header(os.path.relpath(path, folder)))
+    else:
+        index = CheckpointIndex(start, (start,), parse_header(table.add(remote.header(start), start), start),
+                                opened=table)
+    return replace(index, source=where, root=os.path.dirname(config) if config else "", remote=remote.url(""))
 
 
 def local_path(path: str | os.PathLike, revision: str | None = None, also: tuple[str, ...] = ()) -> str:

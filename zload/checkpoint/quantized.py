@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from math import prod
 
 from ..errors import ZloadError
-from ..report import brief
+from ..report import brief, ranks_listed
 from .index import CheckpointIndex, TensorEntry, read_json_file
 
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # appended to the weight's name
@@ -69,7 +69,7 @@ def agreed_quantization(seen: dict[int, Quantization]) -> Quantization:
         ranks.setdefault(quantization, []).append(rank)
     if len(ranks) <= 1:
         return next(iter(ranks), Quantization())
-    read = "; ".join(f"ranks {r} read {q.describe()}" for q, r in ranks.items())
+    read = "; ".join(f"ranks {ranks_listed(r)} read {q.describe()}" for q, r in ranks.items())
     return Quantization(problem=f"{CONFIG_FILE}: the copies differ between ranks: {read}; every node must "
                                 f"hold the same {CONFIG_FILE}")
 

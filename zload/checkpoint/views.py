@@ -28,7 +28,7 @@ from ..errors import (
     CheckpointNotFoundError,
     InvalidCheckpointError,
 )
-from ..report import shortened
+from ..report import ranks_listed, shortened
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digests
 from .files import FileTable, OpenFile
 from .index import CheckpointIndex, TensorEntry
@@ -213,9 +213,11 @@ def _same_layout(source: str, layouts: dict[int, tuple[list[str], str]]) -> None
         return
     files = {known for known, _ in ranks}
     if len(files) > 1:
-        seen = "; ".join(f"ranks {r} see files {shortened(list(known), 4)}" for (known, _), r in ranks.items())
+        seen = "; ".join(f"ranks {ranks_listed(r)} see files {shortened(list(known), 4)}"
+                         for (known, _), r in ranks.items())
     else:
-        seen = "; ".join(f"ranks {r}" for r in ranks.values()) + ": the same files, but different weight maps"
+        seen = "; ".join(f"ranks {ranks_listed(r)}" for r in ranks.values())
+        seen += ": the same files, but different weight maps"
     raise InvalidCheckpointError(f"{source}: the ranks see different checkpoints there ({seen}); every node "
                                  "must hold the same checkpoint (the same files and index, or none of it)",
                                  path=source)
@@ -251,7 +253,7 @@ def share_index(view: LocalView, what: str) -> SharedIndex | None:
             copies.setdefault(tuple(views[r][1][key]), []).append(r)
         if len(copies) > 1:
             differ = "headers" if len({h for h, _ in copies}) > 1 else "data (same headers)"
-            groups = "; ".join(f"ranks {ranks}" for ranks in copies.values())
+            groups = "; ".join(f"ranks {ranks_listed(ranks)}" for ranks in copies.values())
             raise InvalidCheckpointError(f"{key}: the copies of this file differ in their {differ} between "
                                          f"{groups}; every node must hold the same checkpoint",
                                          path=os.path.join(root, key))

@@ -11,7 +11,7 @@ The installed DeepSpeed's version is checked once per process, at zload's first 
 (importing zload imports no DeepSpeed): zload is tested with DeepSpeed 0.19.x (0.19.8), and
 refuses a release older than 0.19.3 (``UnsupportedEnvironmentError``), the first that has the
 ``Init._partition_world_size`` that ``zload.init`` calls. From 0.20 on it warns (``ZloadWarning``)
-once and goes on: the internals it uses may well still be there.
+once per node and goes on: the internals it uses may well still be there.
 
 Geometry that mirrors DeepSpeed's arithmetic without touching its objects
 (``checkpoint.partition``) and the reading of DeepSpeed's checkpoint files (``checkpoint.native``)
@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 import sys
 import warnings
 from contextlib import contextmanager
@@ -32,32 +33,36 @@ import torch
 
 from ..checkpoint.optimizer_state import COUNTERS, LOSS_SCALE_KEYS
 from ..checkpoint.partition import Partition
-from ..distributed import collective, stage
+from ..distributed import collective, speaks_for_node, stage
 from ..errors import PeerLostError, UnsupportedEnvironmentError, UnsupportedModelError, ZloadWarning
 
 MINIMUM_VERSION = (0, 19, 3)  # the first release with every internal used here
 TESTED_VERSION = "0.19.8"  # the release the test suite runs
 UNTESTED_FROM = (0, 20)  # the first minor release not tested: warned about, not refused
-_TESTED = f"zload is tested with DeepSpeed 0.19.x ({TESTED_VERSION})"
+_TESTED = f"DeepSpeed 0.19.x ({TESTED_VERSION})"  # what this release is tested with
 
 
 def check_version(version: str) -> None:
     """Refuse a DeepSpeed ``version`` older than ``MINIMUM_VERSION``; warn about one from
-    ``UNTESTED_FROM`` on, or one whose number cannot be read (a local build)."""
+    ``UNTESTED_FROM`` on, or one whose number cannot be read (a local build), once per node (the
+    DeepSpeed installed is the node's)."""
     number = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
     if number is None:
-        warnings.warn(f"zload: cannot read DeepSpeed's version {version!r}; {_TESTED}", ZloadWarning, stacklevel=2)
+        if speaks_for_node():
+            warnings.warn(f"cannot read DeepSpeed's version {version!r}; this release is tested with {_TESTED}",
+                          ZloadWarning, stacklevel=2)
         return
     release = tuple(int(part or 0) for part in number.groups())
     minimum, untested = (".".join(map(str, v)) for v in (MINIMUM_VERSION, UNTESTED_FROM))
     if release < MINIMUM_VERSION:
         raise UnsupportedEnvironmentError(
             f"DeepSpeed {version} is installed, but zload needs DeepSpeed {minimum} or later: it uses DeepSpeed "
-            f"internals that {minimum} introduced, and {_TESTED}. Upgrade it: pip install 'deepspeed>={minimum}'")
-    if release[:2] >= UNTESTED_FROM:
-        warnings.warn(f"zload: DeepSpeed {version} is installed, and {_TESTED}: zload uses DeepSpeed internals "
-                      f"that may have changed since. If a load or save fails, install a tested DeepSpeed: "
-                      f"pip install 'deepspeed>={minimum},<{untested}'", ZloadWarning, stacklevel=2)
+            f"internals that {minimum} introduced, and is tested with {_TESTED}. Upgrade it: "
+            f"pip install 'deepspeed>={minimum}'")
+    if release[:2] >= UNTESTED_FROM and speaks_for_node():
+        warnings.warn(f"DeepSpeed {version} is installed, and this release is tested with {_TESTED}: the DeepSpeed "
+                      "internals it uses may have changed since. If a load or save fails, install a tested "
+                      f"DeepSpeed: pip install 'deepspeed>={minimum},<{untested}'", ZloadWarning, stacklevel=2)
 
 
 @functools.cache
@@ -161,37 +166,72 @@ def as_engine(model):
     return model
 
 
+@dataclass(frozen=True)
+class Masters:
+    """Where DeepSpeed keeps the fp32 master weights of a module's parameters (``masters_of``): a
+    write into the weights must refresh them, or the next optimizer step writes the old weights
+    back."""
+
+    optimizers: tuple = ()  # each refreshes all its masters (``refresh_fp32_params``)
+    fragments: tuple = ()  # ZeRO-1/2 parameters, each linked to its own fragment of the masters
+
+    def refresh(self) -> None:
+        """Every master <- the weight it is the master of (a local copy on each rank)."""
+        refreshing = [o for o in self.optimizers if hasattr(o, "refresh_fp32_params")]
+        for optimizer in refreshing:
+            optimizer.refresh_fp32_params()
+        if not refreshing and self.fragments:
+            from deepspeed.utils import safe_set_full_fp32_param
+
+            for param in self.fragments:
+                safe_set_full_fp32_param(param, param.data)
+
+
+def masters_of(module, engine) -> Masters | None:
+    """The fp32 masters of ``module``'s parameters: those of ``engine``'s optimizer where the
+    DeepSpeedEngine is passed; where its module is passed alone (``engine.module``, a Trainer's
+    ``trainer.model``), found by the links DeepSpeed's own ``safe_get_full_fp32_param`` follows from
+    a parameter: ZeRO-3's optimizer (``_z3_optimizer``), ZeRO-1/2's fragment of the masters
+    (``_hp_mapping``). None for a module no DeepSpeed optimizer holds. Not found alone: the masters
+    of an fp16/bf16 optimizer without ZeRO (stage 0), which link no parameter to them."""
+    params = list(module.parameters())
+    fragments = tuple(p for p in params if hasattr(p, "_hp_mapping"))
+    if engine is not None:
+        return Masters(() if engine.optimizer is None else (engine.optimizer,), fragments)
+    linked = {id(o): o for p in params if (o := getattr(p, "_z3_optimizer", None)) is not None}
+    return Masters(tuple(linked.values()), fragments) if linked or fragments else None
+
+
 @contextmanager
-def engine_writes(engine, masters_written: bool = False):
-    """Keep a live engine (or None) consistent around in-place writes into its (partitioned)
-    parameters.
+def engine_writes(masters: Masters | None, resumed=None):
+    """Keep the engine that keeps ``masters`` (None: no engine) consistent around in-place writes
+    into its (partitioned) parameters.
 
     ZeRO-3 needs persistent parameters partitioned first and re-gathered after; every optimizer
     that keeps fp32 masters (ZeRO-1/2/3, bf16, fp16) must refresh them, or its next step would
-    write the old weights back. ``masters_written``: the writes set the masters too (a resume), and
-    the 16-bit weights are set from them instead (``weights_from_masters``).
+    write the old weights back. ``resumed``: the engine whose masters the writes set too (a resume),
+    whose 16-bit weights are set from them instead (``weights_from_masters``).
     """
-    optimizer = getattr(engine, "optimizer", None)
-    prologue = getattr(optimizer, "checkpoint_event_prologue", None)
-    if prologue:
-        with collective():
-            prologue()  # partition persistent (replicated) parameters
+    zero3 = [o for o in getattr(masters, "optimizers", ()) if hasattr(o, "checkpoint_event_prologue")]
+    with collective():
+        for optimizer in zero3:
+            optimizer.checkpoint_event_prologue()  # partition persistent (replicated) parameters
     try:
         yield
     except PeerLostError:
         raise  # a peer is gone: no collective can set the engine right again
     except BaseException:
-        if prologue:
-            with collective():
+        with collective():
+            for optimizer in zero3:
                 optimizer.checkpoint_event_epilogue()
         raise
     with stage("updating the engine after the load", "The weights are written, but the engine's "
                "fp32 masters or persistent parameters may not be: do not train on with it."), collective():
-        if masters_written:
-            weights_from_masters(engine)
-        elif hasattr(optimizer, "refresh_fp32_params"):
-            optimizer.refresh_fp32_params()  # fp32 masters <- the weights just written
-        if prologue:
+        if resumed is not None:
+            weights_from_masters(resumed)
+        elif masters is not None:
+            masters.refresh()  # fp32 masters <- the weights just written
+        for optimizer in zero3:
             optimizer.checkpoint_event_epilogue()  # drop hpZ secondaries, re-gather persistent params
 
 
@@ -241,8 +281,39 @@ def config_model(section: str):
 
 
 def make_zero_init(config, dtype, **kwargs):
-    """``deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, **kwargs)``."""
+    """``deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, **kwargs)``, in a world of
+    one process where no launcher started this one (``join_world_of_one``)."""
+    join_world_of_one()
     return _deepspeed().zero.Init(config_dict_or_path=config, dtype=dtype, **kwargs)
+
+
+# What a launcher leaves in a process's environment: torchrun's and the DeepSpeed launcher's
+# variables; MPI's, Azure ML's and SageMaker's, from which DeepSpeed finds the world itself.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_SIZE",
+                      "PMI_SIZE", "PMIX_RANK", "AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV")
+
+
+def launched() -> bool:
+    """Whether a launcher started this process (one of ``LAUNCHER_VARIABLES`` is set, or Slurm
+    runs several tasks): then its world is the launcher's to define."""
+    return any(v in os.environ for v in LAUNCHER_VARIABLES) or os.environ.get("SLURM_NTASKS", "1") != "1"
+
+
+def join_world_of_one() -> None:
+    """A script started with plain ``python`` (no process group, no launcher) gets a process group
+    of one, set up as torchrun sets up one process: its variables (a free port on 127.0.0.1), then
+    DeepSpeed's ``init_distributed``, which without them would look for an MPI world (and fail
+    without ``mpi4py``)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() or launched():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    _deepspeed().init_distributed(verbose=False)
 
 
 def library_dir() -> str:

@@ -123,7 +123,7 @@ def conversion_registry():
         try:
             _deferred_registry = _build_deferred_registry(conversion_mapping, core_model_loading)
         except Exception as e:  # a transformers version this does not fit: use its own path
-            logger.debug("zload: deferred conversion registry unavailable (%r); using transformers' own", e)
+            logger.debug("deferred conversion registry unavailable (%r); using transformers' own", e)
             _deferred_registry = _UNAVAILABLE
     if _deferred_registry is _UNAVAILABLE:
         yield

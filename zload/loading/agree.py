@@ -33,7 +33,7 @@ def _planned(planner: Planner, shared: SharedIndex) -> tuple[LoadPlan | None, li
 
 
 def _refused(source: str) -> str:
-    return f"zload: cannot load {source}; the model was not changed"
+    return f"cannot load {source}; the model was not changed"
 
 
 def _settled(view: LocalView, arguments: Arguments, plan: LoadPlan | None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -23,9 +22,9 @@ from ..checkpoint.optimizer_state import OPTIMIZER_INDEX
 from ..checkpoint.quantized import FP8
 from ..checkpoint.views import SharedIndex, Verify
 from ..collector import collector_paused
-from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, stage
-from ..errors import ArgumentTypeError, ArgumentValueError, ZloadError, ZloadWarning
-from ..integrations.deepspeed import convert_like, drop_secondary, engine_writes, flat_partition
+from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, speaks_for_all, stage, warn_for_all
+from ..errors import ArgumentTypeError, ArgumentValueError, ZloadError
+from ..integrations.deepspeed import Masters, convert_like, drop_secondary, engine_writes, flat_partition, masters_of
 from ..kernels import scatter_cast, zero_segment
 from ..model.init import is_unloaded, mark_loaded
 from ..model.names import KeyMap, match
@@ -158,7 +157,7 @@ class ByteSource(Protocol):
 
 
 def _failed(source: str) -> str:
-    return f"zload: loading {source} failed part-way; the model is partly written"
+    return f"loading {source} failed part-way; the model is partly written"
 
 
 @dataclass(frozen=True)
@@ -264,12 +263,14 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
               optimizer: bool = False, _initialises_missing: bool = False) -> LoadReport:
     """Load a safetensors checkpoint into ``model`` in place, each rank reading only its bytes.
 
-    ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not) or a
-    ``DeepSpeedEngine``. ``path`` is a ``.safetensors`` file, an index ``.json``, or a directory
-    holding ``model.safetensors`` or ``model.safetensors.index.json`` with its shards, or a Hub
-    repo id (at ``revision``), downloaded once per node into the Hugging Face cache; or a
-    DeepSpeed checkpoint (the folder ``engine.save_checkpoint`` wrote, or its ``global_stepN``),
-    saved at any world size, whose fp32 master weights are read from the saved partitions.
+    ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not), a
+    ``DeepSpeedEngine``, or an engine's module (``engine.module``, a Trainer's ``trainer.model``):
+    the engine's fp32 master weights are refreshed from what is loaded either way. ``path`` is a
+    ``.safetensors`` file, an index ``.json``, or a directory holding ``model.safetensors`` or
+    ``model.safetensors.index.json`` with its shards, or a Hub repo id (at ``revision``),
+    downloaded once per node into the Hugging Face cache; or a DeepSpeed checkpoint (the folder
+    ``engine.save_checkpoint`` wrote, or its ``global_stepN``), saved at any world size, whose fp32
+    master weights are read from the saved partitions.
     With ``strict`` model tensors missing from the checkpoint are an error; checkpoint tensors the
     model lacks are only reported. ``key_map`` renames checkpoint tensors before matching: a dict
     of regex -> replacement applied in order, or a callable (returning None drops a tensor).
@@ -296,17 +297,17 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
-    module, engine, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify,
-                                                    optimizer)
+    module, engine, masters, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes,
+                                                             verify, optimizer)
     if optimizer is True and isinstance(path, str):
         path = _resume_source(path)
-    planner = _LoadPlanner(module, engine is not None, strict, key_map, staging_bytes,
+    planner = _LoadPlanner(module, masters is not None, strict, key_map, staging_bytes,
                            engine if optimizer is True else None)
     try:
         with stage(f"indexing and planning the load of {path}", _UNCHANGED):
             source, shared, plan = open_agreed(path, revision, verify, arguments, planner)
         with shared.index:
-            moved = _execute(plan, shared, engine, module, source, staging_bytes, progress)
+            moved = _execute(plan, shared, masters, module, source, staging_bytes, progress)
     finally:
         planner.close()
 
@@ -319,7 +320,8 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
         _warn(replace(report, missing=[]), [])
     else:
         _warn(report, [t.name for t in plan.targets if is_unloaded(t.tensor)])
-    logger.info("%s", report)
+    if speaks_for_all():
+        logger.info("%s", report)
     return report
 
 
@@ -337,15 +339,16 @@ def _resume_source(path):
 
 
 def _call(model, path, strict, key_map, revision, staging_bytes, verify, optimizer) -> tuple:
-    """(module, engine or None, path, ``Verify``, ``Arguments``) of a ``load_into`` call. The ranks
-    compare every argument but ``progress`` (a bar on rank 0 alone) and where ``path`` leads
-    (node-local copies may lie at different paths; their views are compared instead): the model and
-    a callable ``key_map`` by kind (what the model makes of the call is compared as the plans'
-    collectives), a mode by its string. An invalid argument is not raised here but once the ranks
+    """(module, engine or None, its ``Masters`` or None, path, ``Verify``, ``Arguments``) of a
+    ``load_into`` call. The ranks compare every argument but ``progress`` (a bar on rank 0 alone) and where
+    ``path`` leads (node-local copies may lie at different paths; their views are compared
+    instead): the model and a callable ``key_map`` by kind (what the model makes of the call is
+    compared as the plans' collectives), a mode by its string. An invalid argument is not raised here but once the ranks
     know they all passed it."""
-    module = engine = invalid = None
+    module = engine = masters = invalid = None
     try:
         module, engine = unwrap(model)
+        masters = masters_of(module, engine)
     except ArgumentTypeError as e:
         invalid = e
     try:
@@ -378,15 +381,15 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify, optimiz
     values = {"model": model_kind, "path": kind(path), "strict": plain(strict), "key_map": key_map_kind,
               "revision": plain(revision), "staging_bytes": plain(staging_bytes), "verify": plain(verify),
               "optimizer": plain(optimizer)}
-    return module, engine, path, verify, Arguments("load_into", values, invalid)
+    return module, engine, masters, path, verify, Arguments("load_into", values, invalid)
 
 
-def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, staging_bytes: int,
-             progress: bool | None) -> Moved:
+def _execute(plan: LoadPlan, shared: SharedIndex, masters: Masters | None, module, source: str,
+             staging_bytes: int, progress: bool | None) -> Moved:
     """Everything that writes into the model; what it moved on this rank."""
     dests = _destinations(plan)
     moved = Moved()
-    with engine_writes(engine, masters_written=plan.optimizer is not None):
+    with engine_writes(masters, plan.optimizer.engine if plan.optimizer is not None else None):
         for byte_source in _byte_sources(plan, shared, source, staging_bytes, progress):
             with stage(byte_source.stage, _PARTLY):
                 moved += byte_source.deliver(dests)
@@ -397,19 +400,18 @@ def _execute(plan: LoadPlan, shared: SharedIndex, engine, module, source: str, s
 
 
 def _warn(report: LoadReport, never_loaded: list[str]) -> None:
-    """Warnings point at the caller's ``load_into`` line: _warn, load_into, the collector_paused
-    wrapper, the caller (stacklevel 4)."""
+    """Warnings about the model and the checkpoint, the same on every rank (rank 0 tells them),
+    pointing at the caller's ``load_into`` line: _warn, load_into, the collector_paused wrapper,
+    the caller (stacklevel 4)."""
     if never_loaded:
-        warnings.warn(f"zload: {len(never_loaded)} parameters built by zload.init were never loaded: they "
-                      f"hold zeros or their constructor's values, not weights: {shortened(never_loaded, 20)}",
-                      ZloadWarning, stacklevel=4)
+        warn_for_all(f"{len(never_loaded)} parameters built by zload.init were never loaded: they hold zeros "
+                     f"or their constructor's values, not weights: {shortened(never_loaded, 20)}", stacklevel=4)
     if report.unexpected:
-        warnings.warn(f"zload: {len(report.unexpected)} checkpoint tensors are not in the model and "
-                      f"were skipped: {shortened(report.unexpected, 20)}", ZloadWarning, stacklevel=4)
+        warn_for_all(f"{len(report.unexpected)} checkpoint tensors are not in the model and were skipped: "
+                     f"{shortened(report.unexpected, 20)}", stacklevel=4)
     if report.missing:
-        warnings.warn(f"zload: {len(report.missing)} model tensors are not in the checkpoint and "
-                      f"were left as they were: {shortened(report.missing, 20)}", ZloadWarning,
-                      stacklevel=4)
-    for name in report.repaired_orphans:
-        warnings.warn(f"zload: '{name}' was a plain [0]-shaped parameter (re-created after zero.Init); "
-                      "loaded it and converted it to a ZeRO-3 parameter", ZloadWarning, stacklevel=4)
+        warn_for_all(f"{len(report.missing)} model tensors are not in the checkpoint and were left as they "
+                     f"were: {shortened(report.missing, 20)}", stacklevel=4)
+    if report.repaired_orphans:
+        warn_for_all(f"{shortened(report.repaired_orphans, 20)}: plain [0]-shaped parameters (re-created after "
+                     "zero.Init); loaded and converted to ZeRO-3 parameters", stacklevel=4)

@@ -253,7 +253,7 @@ def restore_optimizer(plan: OptimizerPlan, files, staging_bytes: int, source: st
     read, problems = problems_of("restoring the optimizer state",
                                  lambda: _restore(plan, plan.index.files if plan.index.owns_files else files,
                                                   staging_bytes))
-    agree(problems, f"zload: restoring the optimizer state of {source} failed part-way; the engine is partly "
+    agree(problems, f"restoring the optimizer state of {source} failed part-way; the engine is partly "
                     "written")
     return read
 

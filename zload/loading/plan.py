@@ -265,6 +265,7 @@ def make_plan(index: CheckpointIndex, targets: list[Target], *, strict: bool = T
     matching = matching or match(index, targets)
     plan = LoadPlan(targets, index.total_bytes, unexpected=matching.unexpected,
                     problems=list(matching.problems))
+    refused: dict[str, list[str]] = {}  # problem -> the tensors that have it
     for i, target in enumerate(targets):
         source = matching.sources.get(i)
         if source is None:
@@ -273,7 +274,7 @@ def make_plan(index: CheckpointIndex, targets: list[Target], *, strict: bool = T
             continue
         problem = target.problem or _compatibility_problem(target, source)
         if problem:
-            plan.problems.append(f"{_describe(target, source)}: {problem}")
+            refused.setdefault(problem, []).append(_describe(target, source))
             continue
         plan.sources[i] = source
         plan.loaded.append(target.name)
@@ -286,6 +287,8 @@ def make_plan(index: CheckpointIndex, targets: list[Target], *, strict: bool = T
             plan.slow.append(i)
         else:
             plan.items.extend(_reads(target, i, source))
+    # one line per problem, however many tensors have it (every persistent parameter gathered)
+    plan.problems += [f"{shortened(described, 3)}: {problem}" for problem, described in refused.items()]
     if strict and plan.missing:
         plan.problems.append(f"{len(plan.missing)} model tensors are not in the checkpoint "
                              f"{index.source} (strict=True): {shortened(plan.missing, 20)}")

@@ -53,14 +53,14 @@ def load_converted(plan: LoadPlan, dests: list[torch.Tensor], shared: SharedInde
         target, source, dst = plan.targets[i], plan.sources[i], dests[i]
         candidates = shared.ranks_reading({f for e in source.entries for f in e.files})
         if not candidates:
-            raise CheckpointError(f"zload: no single rank can read all of {list(source.names)} (they lie on "
+            raise CheckpointError(f"no single rank can read all of {list(source.names)} (they lie on "
                                   f"different nodes), which converting '{target.name}' needs; put the "
                                   "checkpoint where one node sees all of its files", tensor=target.name)
         reader = candidates[conversions.setdefault(source.names, len(conversions)) % len(candidates)]
         tensor, problems = None, []
         if rank == reader:
             tensor, problems = _build(source, dst.dtype, read)
-        agree(problems, f"zload: converting '{target.name}' failed; the model is partly written")
+        agree(problems, f"converting '{target.name}' failed; the model is partly written")
         if target.kind == PARTITION:
             _deliver_partition(target, tensor, dst, reader)
         else:

@@ -57,6 +57,7 @@ from ..integrations.deepspeed import (
     zero_init_patches,
 )
 from ..integrations.transformers import skip_weight_init
+from ..report import shortened
 from .ds_config import read_ds_config, refuse_weight_quantization, resolve_auto
 
 _UNLOADED = "_zload_unloaded"  # set on each parameter built by ``init`` until a load writes it
@@ -385,7 +386,7 @@ def init(config=None, *, dtype: torch.dtype | None = None, hidden_size: int | No
     leftovers = _meta_leftovers(modules)
     if leftovers:
         raise UnsupportedModelError(
-            f"zload.init: {', '.join(leftovers)} ended up on the meta device: computed in __init__ "
+            f"zload.init: {shortened(leftovers)} ended up on the meta device: computed in __init__ "
             "from a parameter, which has no values inside zload.init. Compute it in forward() or "
             "after loading, or build this model with deepspeed.zero.Init")
 

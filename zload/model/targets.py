@@ -76,8 +76,8 @@ def _zero_partition_problem(param, live_engine: bool) -> str | None:
     # A live engine's persistent parameters stay gathered; its optimizer re-partitions them.
     status = gathered_status(param)
     if not live_engine and status is not None:
-        return (f"is gathered ({status}); load outside GatheredParameters, or pass "
-                "the DeepSpeedEngine so zload can re-partition it")
+        return (f"is gathered ({status}); load outside GatheredParameters, or pass the DeepSpeedEngine "
+                "(a Trainer's trainer.model_wrapped) so zload can re-partition it")
     if swapped_to_nvme(param):
         return "is offloaded to NVMe, which zload does not load into yet"
     if stored_quantized(param):

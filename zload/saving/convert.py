@@ -85,7 +85,7 @@ def _config(root: str) -> tuple[bytes | None, list[str]]:
     path = os.path.join(root, CONFIG)
     if not os.path.lexists(path):
         return None, []
-    target, skipped = os.path.realpath(path), f"zload: {path} is not copied beside the weights"
+    target, skipped = os.path.realpath(path), f"{path} is not copied beside the weights"
     if not _inside(target, os.path.realpath(root)):
         return None, [f"{skipped}: it is a link to {brief(target)}, outside {root}, and no other file of this "
                       "machine (a token, a key) may end up there; copy the model's config.json there yourself"]
@@ -119,7 +119,7 @@ def _read(source: str, weights: str, with_config: bool) -> _Source:
 def _read_agreed(source: str, weights: str, with_config: bool) -> _Source:
     """The checkpoint read on every rank, which must all see the same whole one; raises the same
     error on every rank if any cannot."""
-    refused = f"zload: cannot convert {source}; nothing was written"
+    refused = f"cannot convert {source}; nothing was written"
     read, problems = problems_of(f"reading {source}", lambda: _read(source, weights, with_config))
     view = read.view if read else LocalView(source, None, problems=problems)
     try:

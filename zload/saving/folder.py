@@ -45,6 +45,7 @@ from ..checkpoint.files import FileTable, open_regular
 from ..checkpoint.index import MAX_INDEX_BYTES, read_weight_map, shard_path
 from ..checkpoint.optimizer_state import OPTIMIZER_SINGLE
 from ..errors import ArgumentValueError, WriteError, ZloadError
+from ..report import shortened
 
 STAGING_PREFIX = ".zload-save-"
 LOCK = "lock"  # in the staging folder: flocked by the running save; says who it is
@@ -236,9 +237,9 @@ def _old_leftovers(final: str) -> list[str]:
     leftovers = sorted(glob.glob(glob.escape(final) + ".zload-tmp-*"))
     if not leftovers:
         return []
-    return [f"zload: {len(leftovers)} temporary folders that killed saves of an earlier zload version "
+    return [f"{len(leftovers)} temporary folders that killed saves of an earlier zload version "
             f"left next to {final} are still there; delete them once no such save is running: "
-            f"{', '.join(leftovers)}"]
+            f"{shortened(leftovers)}"]
 
 
 class SaveFolder:
@@ -344,8 +345,8 @@ class SaveFolder:
         left = _remove(self.final, stale)
         _fsync_dir(self.final)
         if left:
-            self.notes.append(f"zload: saved {self.final}, but could not remove these files of the "
-                              f"earlier checkpoint, which it no longer uses: {', '.join(left)}")
+            self.notes.append(f"saved {self.final}, but could not remove these files of the "
+                              f"earlier checkpoint, which it no longer uses: {shortened(left)}")
 
     def _move_in(self, names: dict[str, str]) -> None:
         """Rename staged files (staging name -> name in the folder) into the folder."""
@@ -414,12 +415,12 @@ class SaveFolder:
                     self._finish_killed(staging)
                     shutil.rmtree(staging, ignore_errors=True)
             except (OSError, ValueError, ZloadError) as e:
-                self.notes.append(f"zload: could not clean up after the killed save in {staging}: {e}")
+                self.notes.append(f"could not clean up after the killed save in {staging}: {e}")
             finally:
                 if fd is not None:
                     os.close(fd)
         if unknown:
-            self.notes.append(f"zload: cannot tell whether the saves that left {', '.join(unknown)} "
+            self.notes.append(f"cannot tell whether the saves that left {shortened(unknown)} "
                               "are still running (this filesystem has no file locks); delete them "
                               "once they are not")
 

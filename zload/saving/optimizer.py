@@ -42,6 +42,7 @@ from ..integrations.deepspeed import (
     zero3_shape,
 )
 from ..model.targets import PARTITION, Target
+from ..progress import progress_for
 from . import writer
 from .plan import Beside, OutTensor, SavePlan, layout, parse_size, plan_writes
 
@@ -138,7 +139,10 @@ class _WithOptimizer:
     def write(self, plan: SavePlan, staging: str, shared: bool, failed: str) -> tuple[int, list[str]]:
         written, gathered = self.sink.write(plan, staging, shared, failed)
         items, sources = self.writes
-        return written + writer.write_own(items, sources, staging, shared, self.staging_bytes, [], failed), gathered
+        total = writer.bytes_written_here(items, plan.beside.files, shared)
+        with progress_for(total, rank=rank_and_world()[0], enabled=self.sink.progress) as bar:
+            written += writer.write_own(items, sources, staging, shared, self.staging_bytes, [], failed, bar)
+        return written, gathered
 
     def write_configs(self, plan: SavePlan, folder: str) -> None:
         self.sink.write_configs(plan, folder)

@@ -23,6 +23,7 @@ from ..integrations.transformers import revert_conversion, transformers_model
 from ..loading.plan import element_steps
 from ..model.names import match
 from ..model.targets import ORPHAN, PARTITION, Target
+from ..report import shortened
 
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -249,7 +250,7 @@ def make_save_plan(module, targets: list[Target], dtype: torch.dtype | None, max
     problems += [f"'{t.name}': a [0]-shaped parameter re-created after zero.Init; load it "
                  "(zload.load_into repairs it) before saving" for t in targets if t.kind == ORPHAN]
     if problems:
-        raise PlanError("; ".join(problems))
+        raise PlanError(shortened(problems, 8, "; "))
     tensors, single = out_tensors(module, targets, dtype)
     # peft reads one adapter file only, so an adapter is never sharded
     limit = parse_size(max_shard_size) if single != ADAPTER_FILE else float("inf")

@@ -21,10 +21,12 @@ from typing import Protocol
 import torch
 
 from ..collector import collector_paused
-from ..distributed import agree, exchange, problems_of, rank_and_world, stage
+from ..distributed import agree, exchange, problems_of, rank_and_world, stage, warn_for_all
 from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
+from ..integrations.deepspeed import Masters, masters_of
 from ..loading.execute import DEFAULT_STAGING_BYTES
 from ..model.targets import collect_targets, unwrap
+from ..progress import progress_for
 from ..report import SaveReport, brief
 from . import plan as save_plan
 from . import writer
@@ -36,7 +38,7 @@ from .optimizer import with_optimizer
 def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          dtype: torch.dtype | str | None = None, master_weights: bool = False,
          shared_filesystem: bool | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
-         buffer_bytes: int | None = None, optimizer: bool = False) -> SaveReport:
+         progress: bool | None = None, buffer_bytes: int | None = None, optimizer: bool = False) -> SaveReport:
     """Write ``model`` (an nn.Module, ZeRO-3 or not, or a DeepSpeedEngine) to the folder ``path``.
 
     Layout as transformers writes it: ``model.safetensors``, or shards of at most
@@ -46,12 +48,15 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     Every parameter (trainable or frozen) and persistent buffer is written at full shape, tied
     weights once. No rank gathers anything: each writes its own partitions, in pieces of at most
     ``staging_bytes``. ``dtype`` (a ``torch.dtype`` or its name) converts on the way;
-    ``master_weights`` writes a live engine's fp32 master weights of trainable parameters.
+    ``master_weights`` writes the fp32 master weights a ZeRO-3 engine keeps of trainable parameters
+    (``model`` being the engine or its module).
     ``shared_filesystem=None`` detects whether all ranks see the same folder; if not, ranks stream
     their slices to rank 0. Must be called by every rank.
     Only zload's own files in ``path`` are written or removed (see ``zload.savedir``); a checkpoint
     already there is replaced only once every rank has succeeded, in one rename; a write that fails
     (a full disk, a spent quota) raises a ``WriteError`` naming the file on every rank.
+    ``progress``: a bar on rank 0 counting the bytes it writes, as ``load_into``'s counts those it
+    reads (None: only on a terminal).
     ``buffer_bytes`` is the former name of ``staging_bytes`` (as ``load_into`` calls it).
     ``optimizer=True`` (``model`` a ``DeepSpeedEngine`` with a ZeRO-1/2/3 optimizer) also writes the
     optimizer state beside the weights, each rank its own partitions (docs/optimizer-format.md):
@@ -59,12 +64,13 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     removes the optimizer state an earlier save left in ``path``.
     """
     if buffer_bytes is not None:
-        warnings.warn("zload.save(buffer_bytes=...) is now staging_bytes=..., as in load_into; "
-                      "buffer_bytes will be removed", FutureWarning, stacklevel=3)
+        warn_for_all("zload.save(buffer_bytes=...) is now staging_bytes=..., as in load_into; buffer_bytes "
+                     "will be removed", stacklevel=3, category=FutureWarning)
         staging_bytes = buffer_bytes
     started = time.perf_counter()
     module, engine = unwrap(model)
-    sink = _ModelSink(module, engine is not None, dtype, master_weights, max_shard_size, staging_bytes)
+    sink = _ModelSink(module, masters_of(module, engine), dtype, master_weights, max_shard_size, staging_bytes,
+                      progress)
     if optimizer is not False:
         sink = with_optimizer(sink, engine, optimizer, max_shard_size, staging_bytes)
     report, notes = write_checkpoint(os.path.abspath(os.fspath(path)), sink, shared_filesystem, started)
@@ -98,15 +104,21 @@ class _ModelSink:
     transformers conversion is no byte layout, gathered and converted on one rank."""
 
     module: torch.nn.Module
-    live_engine: bool
+    masters: Masters | None
     dtype: torch.dtype | str | None
     master_weights: bool
     max_shard_size: int | str
     staging_bytes: int
+    progress: bool | None
 
     def plan(self) -> save_plan.SavePlan:
-        if self.master_weights and not self.live_engine:
-            raise ArgumentTypeError("master_weights=True needs the DeepSpeedEngine, not its module")
+        if self.master_weights and self.masters is None:
+            raise ArgumentTypeError("master_weights=True: no DeepSpeed optimizer keeps fp32 master weights of this "
+                                    "model; pass the DeepSpeedEngine, or its module, after deepspeed.initialize")
+        if self.master_weights and self.masters.fragments:
+            raise ArgumentValueError("master_weights=True: zload saves the fp32 masters of ZeRO-3 only, and this "
+                                     "engine's are ZeRO-1/2's; save its 16-bit weights (master_weights=False), or "
+                                     "its engine.save_checkpoint folder with zload.convert")
         dtype = torch.float32 if self.master_weights and self.dtype is None else _dtype(self.dtype)
         return save_plan.make_save_plan(self.module, collect_targets(self.module, live_engine=True), dtype,
                                         self.max_shard_size, *rank_and_world())
@@ -114,9 +126,12 @@ class _ModelSink:
     def write(self, plan: save_plan.SavePlan, staging: str, shared: bool, failed: str) -> tuple[int, list[str]]:
         sources, problems = problems_of("finding the partitions to write",
                                         lambda: writer.partition_sources(plan.targets, self.master_weights))
-        written = writer.write_own(plan.items, sources, staging, shared, self.staging_bytes, problems, failed)
-        converted_bytes, gathered = writer.write_converted(self.module, plan.targets, plan.files, staging, shared,
-                                                           self.master_weights, failed)
+        total = writer.bytes_written_here(plan.items, plan.files, shared)
+        with progress_for(total, rank=rank_and_world()[0], enabled=self.progress) as bar:
+            written = writer.write_own(plan.items, sources, staging, shared, self.staging_bytes, problems, failed,
+                                       bar)
+            converted_bytes, gathered = writer.write_converted(self.module, plan.targets, plan.files, staging,
+                                                               shared, self.master_weights, failed, bar)
         return written + converted_bytes, gathered
 
     def write_configs(self, plan: save_plan.SavePlan, folder: str) -> None:
@@ -145,7 +160,7 @@ def write_checkpoint(final: str, sink: Sink, shared_filesystem: bool | None,
     ``final`` keeps what it held.
     """
     rank, world = rank_and_world()
-    refused = f"zload: cannot save to {final}; nothing was written"
+    refused = f"cannot save to {final}; nothing was written"
     with stage(f"planning the save to {final}", "Nothing was written."):
         plan, problems = problems_of("planning the save", sink.plan)
         agree(problems, refused)
@@ -154,7 +169,7 @@ def write_checkpoint(final: str, sink: Sink, shared_filesystem: bool | None,
     folder = SaveFolder(final, token) if rank == 0 else None
     staging = os.path.join(final, STAGING_PREFIX + token)
     as_it_was = f"{final} still holds what it held before"
-    failed = f"zload: saving to {final} failed; {as_it_was} (rank 0 removes the partial files)"
+    failed = f"saving to {final} failed; {as_it_was} (rank 0 removes the partial files)"
     try:
         with stage(f"saving to {final}", f"{as_it_was}; the partial files in {staging} are "
                    f"removed by rank 0, or by the next save into {final} if rank 0 is gone."):
@@ -173,7 +188,7 @@ def write_checkpoint(final: str, sink: Sink, shared_filesystem: bool | None,
             if problems:  # rank 0's: say what the folder holds now
                 outcome = folder.abort()
                 problems = [replace(p, message=f"{p.message} ({outcome})") for p in problems]
-            agree(problems, f"zload: saving to {final} failed while putting the new files in place")
+            agree(problems, f"saving to {final} failed while putting the new files in place")
     except BaseException:
         if rank == 0:
             folder.abort()

@@ -41,7 +41,7 @@ from ..loading.plan import ALIGN, ReadItem, align, staging_batches
 from ..model.targets import ORPHAN, PARTITION, Target
 from ..progress import Progress
 from .folder import SaveFolder, writing
-from .plan import Beside, OutFile, WriteItem
+from .plan import Beside, OutFile, OutTensor, WriteItem
 
 
 def partition_sources(targets: list[Target], master_weights: bool) -> dict[int, torch.Tensor]:
@@ -102,20 +102,22 @@ class _Files:
             raise failure
 
 
-def write_own(items, sources, folder: str, shared: bool, staging_bytes: int, problems: list, failed: str) -> int:
+def write_own(items, sources, folder: str, shared: bool, staging_bytes: int, problems: list, failed: str,
+              progress: Progress) -> int:
     """Write this rank's ``items`` (taken from ``sources``) into the files in ``folder``: in place
     where every rank sees it (``shared``), else streamed to rank 0; then agree on the problems
     (``problems`` those found before, raising ``failed``). Returns the bytes written or sent."""
     written = 0
     if not shared:
-        written, problems = stream_to_rank0(items, sources, folder, staging_bytes, problems)
+        written, problems = stream_to_rank0(items, sources, folder, staging_bytes, problems, progress)
     elif not problems:
-        written, problems = problems_of("writing", lambda: write_local(items, sources, folder, staging_bytes))
+        written, problems = problems_of("writing", lambda: write_local(items, sources, folder, staging_bytes,
+                                                                       progress))
     agree(problems, failed)
     return written
 
 
-def write_local(items, sources, folder: str, staging_bytes: int) -> int:
+def write_local(items, sources, folder: str, staging_bytes: int, progress: Progress) -> int:
     files = _Files(folder)
     written = 0
     try:
@@ -123,6 +125,7 @@ def write_local(items, sources, folder: str, staging_bytes: int) -> int:
             for offset, data in _chunks(item, sources[item.target], staging_bytes):
                 files.write(item.file, data, offset)
                 written += len(data)
+                progress.update(len(data))
     finally:
         files.close(sync=True)
     return written
@@ -170,8 +173,8 @@ def _reads_into(batch: list[tuple[int, WriteItem]], sources: list[TensorEntry],
     return reads, destinations
 
 
-def stream_to_rank0(items, sources, folder: str, staging_bytes: int,
-                     problems: list) -> tuple[int, list]:
+def stream_to_rank0(items, sources, folder: str, staging_bytes: int, problems: list,
+                    progress: Progress) -> tuple[int, list]:
     """No shared filesystem: every rank sends its slices to rank 0, one bounded batch at a time,
     ranks in order; rank 0 writes them. Returns (bytes this rank wrote or sent, problems).
 
@@ -189,7 +192,8 @@ def stream_to_rank0(items, sources, folder: str, staging_bytes: int,
     if rank == 0:
         done = 0
         if not problems:
-            done, problems = problems_of("writing", lambda: write_local(items, sources, folder, staging_bytes))
+            done, problems = problems_of("writing", partial(write_local, items, sources, folder, staging_bytes,
+                                                            progress))
         files = _Files(folder)
         for sender in range(1, world):
             for batch in batches[sender]:
@@ -204,7 +208,9 @@ def stream_to_rank0(items, sources, folder: str, staging_bytes: int,
                     continue
                 _, problems = problems_of(f"writing the slices rank {sender} sent",
                                           partial(_write_batch, files, batch, incoming.cpu()))
-                done += 0 if problems else sum(nbytes for *_, nbytes in batch)
+                if not problems:
+                    done += sum(nbytes for *_, nbytes in batch)
+                    progress.update(sum(nbytes for *_, nbytes in batch))
         _, closed = problems_of("closing the files", lambda: files.close(sync=True))
         return done or 0, problems or closed
     sent = 0
@@ -240,19 +246,41 @@ def _write_batch(files: _Files, batch, data: torch.Tensor) -> None:
         files.write(file, view[at:at + nbytes], offset)
 
 
-def write_converted(module, targets: list[Target], files: list[OutFile], folder: str,
-                     shared: bool, master_weights: bool, failed: str) -> tuple[int, list[str]]:
+def _converted(files: list[OutFile]) -> dict[tuple[int, ...], list[tuple[str, OutTensor, int]]]:
+    """The tensors whose transformers conversion is no byte layout, as (file, tensor, offset), by
+    the group of targets they are built from, in file order; group ``k`` is written by rank
+    ``k % world`` (rank 0 where the ranks do not share the folder)."""
+    groups: dict[tuple[int, ...], list[tuple[str, OutTensor, int]]] = {}
+    for f in files:
+        for t, position in f.tensors:
+            if t.built_from:
+                groups.setdefault(t.built_from, []).append((f.name, t, position))
+    return groups
+
+
+def bytes_written_here(items: list[WriteItem], files: list[OutFile], shared: bool) -> int:
+    """The bytes this rank writes into ``files``: its ``items`` and its share of the converted
+    tensors, or, where the ranks do not share the folder, all of them on rank 0 and none elsewhere."""
+    rank, world = rank_and_world()
+    if not shared:
+        return sum(t.nbytes for f in files for t, _ in f.tensors) if rank == 0 else 0
+    converted = [t.nbytes for k, tensors in enumerate(_converted(files).values()) if k % world == rank
+                 for _, t, _ in tensors]
+    return sum(i.nbytes for i in items) + sum(converted)
+
+
+def write_converted(module, targets: list[Target], files: list[OutFile], folder: str, shared: bool,
+                    master_weights: bool, failed: str, progress: Progress) -> tuple[int, list[str]]:
     """Tensors whose transformers conversion is no byte layout: for each group of targets, all
     ranks gather those targets only (their fp32 masters with ``master_weights``), and one rank
     runs transformers' reversed conversion and writes the results. Returns (bytes written here,
     names of the gathered targets)."""
-    placed = {t.name: (f.name, t, position) for f in files for t, position in f.tensors if t.built_from}
-    groups = list(dict.fromkeys(t.built_from for _, t, _ in placed.values()))
+    groups = _converted(files)
     written, gathered = 0, []
     if not groups:
         return written, gathered
     rank, world = rank_and_world()
-    for k, group in enumerate(groups):
+    for k, (group, tensors) in enumerate(groups.items()):
         writer = k % world if shared else 0
         params = [targets[i].tensor for i in group if targets[i].kind == PARTITION]
         problems = []
@@ -264,11 +292,11 @@ def write_converted(module, targets: list[Target], files: list[OutFile], folder:
                     converted = revert_conversion(module, full)
                     out = _Files(folder)
                     try:
-                        for name, (file, tensor, position) in placed.items():
-                            if tensor.built_from == group:
-                                data = converted[name].to(tensor.dtype).contiguous()
-                                out.write(file, memoryview(data.view(torch.uint8).numpy()), position)
-                                written += tensor.nbytes
+                        for file, tensor, position in tensors:
+                            data = converted[tensor.name].to(tensor.dtype).contiguous()
+                            out.write(file, memoryview(data.view(torch.uint8).numpy()), position)
+                            written += tensor.nbytes
+                            progress.update(tensor.nbytes)
                     finally:
                         out.close(sync=True)
                 except ZloadError as e:
