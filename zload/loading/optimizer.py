@@ -269,7 +269,8 @@ def _restore(plan: OptimizerPlan, files, staging_bytes: int) -> int:
             else:
                 tensor = state.get(key)
                 if not isinstance(tensor, torch.Tensor) or tensor.shape != flat.master.shape:
-                    tensor = torch.zeros_like(flat.master)  # before the optimizer's first step
+                    # before the optimizer's first step: every element is read or zeroed (``padding``)
+                    tensor = torch.empty_like(flat.master)
                 new[key] = tensor
             destinations.append(tensor.detach().view(-1))
         step = index.groups[flat.group].step
