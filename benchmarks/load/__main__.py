@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 
 from benchmarks.load import DEFAULT_STAGING, HERE, MB, METHODS, log
 from benchmarks.load.checkpoint import (
-    checkpoint_bytes, checkpoint_dir, checkpoint_files, ensure_checkpoint, evict_page_cache, llama_config,
+    checkpoint_bytes, checkpoint_dir, checkpoint_files, checkpoint_shape, ensure_checkpoint, evict_page_cache,
     parse_bytes, parse_size_spec, warm_page_cache,
 )
 from benchmarks.load.launch import TorchrunWorld, cuda_available, measure_local, scratch_folders
@@ -30,8 +30,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", "--sizes", nargs="+", type=parse_size_spec, default=None, dest="sizes",
                    metavar="SIZE[@W,...]",
-                   help="checkpoint sizes (bf16 bytes), e.g. 300MB 1GB; SIZE@2,4 runs that size only at "
-                        "those world sizes (default 300MB)")
+                   help="checkpoint sizes (bf16 bytes), e.g. 300MB 1GB, or named shapes (issue43-540MB; "
+                        "benchmarks/load/checkpoint.py SHAPES); SIZE@2,4 runs that size only at those world "
+                        "sizes (default 300MB)")
     p.add_argument("--world", nargs="+", type=int, default=None,
                    help="world sizes (default: 1 2 plainly; the torchrun world size under torchrun)")
     p.add_argument("--runs", type=int, default=3, help="runs per method, world and size (default 3)")
@@ -136,10 +137,10 @@ def main(argv=None) -> int:
         checkpoints = []
         plan = []  # (size label, folder, nbytes, world)
         for label, nbytes, only in sizes:
-            config = llama_config(nbytes)
-            folder = checkpoint_dir(args.cache, config, args.shard_size)
+            config, shard = checkpoint_shape(label, nbytes, args.shard_size)
+            folder = checkpoint_dir(args.cache, config, shard)
             if coord is None or coord.local_rank == 0:
-                ensure_checkpoint(folder, config, args.shard_size)
+                ensure_checkpoint(folder, config, shard)
                 cache = warm_page_cache(folder)
             if coord:
                 coord.barrier()

@@ -25,20 +25,46 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 300MB, 1GB, 64MiB)") from e
 
 
+# Named checkpoint shapes, accepted wherever a size is: (LlamaConfig sizes, save_pretrained's
+# max_shard_size, or None for --shard-size). The issue-43 shapes: the one its cold numbers came
+# from, and the one of its construction numbers (594 MB: the same Llama as 600MB's).
+SHAPES = {
+    "issue43-1.1GB": (dict(hidden=2048, inter=5632, layers=8, vocab=32000), "200MB"),
+    "issue43-540MB": (dict(hidden=1024, inter=2816, layers=18, vocab=32000), None),
+}
+
+
 def parse_size_spec(text: str) -> tuple[str, int, list[int] | None]:
-    """``300MB`` -> every --world; ``600MB@2`` or ``600MB@2,4`` -> only those world sizes."""
+    """``300MB`` -> every --world; ``600MB@2`` or ``600MB@2,4`` -> only those world sizes; a name
+    from ``SHAPES`` in place of the size (``issue43-1.1GB@2``) -> that shape, its bf16 bytes."""
     size, _, worlds = text.partition("@")
-    nbytes = parse_bytes(size)
+    size = size.strip()
+    try:
+        nbytes = 2 * _llama_params(**SHAPES[size][0]) if size in SHAPES else parse_bytes(size)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or a named shape: {', '.join(SHAPES)}") from None
     ws = [int(w) for w in worlds.split(",")] if worlds else None
     if ws is not None and any(w < 1 for w in ws):
         raise argparse.ArgumentTypeError(f"bad world sizes in {text!r}")
-    return size.strip(), nbytes, ws
+    return size, nbytes, ws
+
+
+def _llama_params(hidden: int, inter: int, layers: int, vocab: int) -> int:
+    """Parameters of an untied Llama whose key/value heads are as many as its query heads."""
+    return 2 * vocab * hidden + hidden + layers * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
+
+
+def _config(hidden: int, inter: int, layers: int, vocab: int):
+    from transformers import LlamaConfig
+
+    heads = max(1, hidden // 128)
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                       max_position_embeddings=2048, tie_word_embeddings=False)
 
 
 def llama_config(nbytes: int):
     """A LlamaConfig whose bf16 parameters take about ``nbytes``."""
-    from transformers import LlamaConfig
-
     params = nbytes / 2
     if params < 1e8:
         hidden, inter = 512, 1408
@@ -53,12 +79,18 @@ def llama_config(nbytes: int):
     vocab = 32000
     if 2 * vocab * hidden > params / 2:  # small checkpoints: keep most of the bytes in the layers
         vocab = max(256, int(params / 4 / hidden) // 64 * 64)
-    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    per_layer = _llama_params(hidden, inter, 1, 0) - hidden
     layers = max(1, round((params - 2 * vocab * hidden - hidden) / per_layer))
-    heads = max(1, hidden // 128)
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                       max_position_embeddings=2048, tie_word_embeddings=False)
+    return _config(hidden, inter, layers, vocab)
+
+
+def checkpoint_shape(size: str, nbytes: int, shard: str) -> tuple:
+    """``(LlamaConfig, max_shard_size)`` of a ``parse_size_spec`` point: a named shape's own (its
+    shard size, if it has one, over ``shard``), else ``llama_config(nbytes)`` in ``shard`` files."""
+    if size in SHAPES:
+        sizes, own_shard = SHAPES[size]
+        return _config(**sizes), own_shard or shard
+    return llama_config(nbytes), shard
 
 
 def checkpoint_dir(cache: str, config, shard: str) -> str:
@@ -126,12 +158,45 @@ def warm_page_cache(folder: str, suffix: str = ".safetensors") -> dict:
     return info
 
 
-def evict_page_cache(folder: str) -> dict:
-    """Empty the page cache of the checkpoint's files: each file's pages first
-    (``posix_fadvise(DONTNEED)``, which leaves the rest of the machine's cache alone), then, if
-    pages stay resident and this is root, the whole cache (``drop_caches``); report how, and how
-    much stayed resident."""
+EVICTIONS = ("fadvise", "drop-caches")  # ways to empty the page cache, as --evict names them
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_caches_problem() -> str | None:
+    """Why ``--evict drop-caches`` cannot work here, or None: the file is opened for writing and
+    closed, nothing written (so nothing dropped)."""
+    try:
+        with open(DROP_CACHES, "w"):
+            return None
+    except OSError as e:
+        return _drop_caches_refused(e)
+
+
+def _drop_caches_refused(e: OSError) -> str:
+    return (f"{DROP_CACHES} is not writable here ({e.strerror}): --evict drop-caches needs root and a writable "
+            "/proc/sys (a container's is often read-only); --evict fadvise empties only the checkpoint's pages "
+            "and needs neither")
+
+
+def _drop_caches() -> None:
+    with open(DROP_CACHES, "w") as f:
+        f.write("3\n")
+
+
+def evict_page_cache(folder: str, how: str = "fadvise") -> dict:
+    """Empty the page cache of the checkpoint's files, dirty pages written back first; report how,
+    and how much stayed resident. ``fadvise``: each file's pages (``posix_fadvise(DONTNEED)``,
+    which leaves the rest of the machine's cache alone), then, if pages stay resident and this is
+    root, the whole cache. ``drop-caches``: the whole cache, dentries and inodes at once, as
+    ``sync; echo 3 > /proc/sys/vm/drop_caches`` does (also the pages of Python's modules and of
+    every other file, which the next reads must fetch again); raises where that is not allowed."""
     os.sync()
+    if how == "drop-caches":
+        try:
+            _drop_caches()
+        except OSError as e:
+            raise RuntimeError(_drop_caches_refused(e)) from e
+        return {"how": "drop_caches", "resident_fraction": page_cache_residency(folder)}
     for path in checkpoint_files(folder):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -141,8 +206,7 @@ def evict_page_cache(folder: str) -> dict:
     how, resident = "posix_fadvise(DONTNEED)", page_cache_residency(folder)
     if resident is None or resident > 0.05:
         try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
+            _drop_caches()
             how, resident = "drop_caches", page_cache_residency(folder)
         except OSError:  # not root, or a container without a writable /proc/sys
             pass

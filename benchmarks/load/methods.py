@@ -192,27 +192,28 @@ def contiguous_share(folder: str, rank: int, world: int) -> list[tuple[str, int,
     return spans
 
 
-def ceiling_blocks(folder: str) -> list[tuple[str, int, int]]:
-    """This rank's contiguous share of the files as blocks of at most ``CEILING_BLOCK`` bytes."""
+def ceiling_blocks(folder: str, world: int | None = None) -> list[tuple[str, int, int]]:
+    """This rank's contiguous share of the files as blocks of at most ``CEILING_BLOCK`` bytes, the
+    files cut in ``world`` shares (default: the world size; 1: rank 0 reads them all)."""
     import torch.distributed as dist
 
     return [(path, at, min(CEILING_BLOCK, offset + length - at))
-            for path, offset, length in contiguous_share(folder, dist.get_rank(), dist.get_world_size())
+            for path, offset, length in contiguous_share(folder, dist.get_rank(), world or dist.get_world_size())
             for at in range(offset, offset + length, CEILING_BLOCK)]
 
 
-def ceiling(folder: str, meter, args, threads: int = CEILING_THREADS) -> dict:
+def ceiling(folder: str, meter, args, threads: int = CEILING_THREADS, world: int | None = None) -> dict:
     """The storage device's ceiling for these files: the best time to read them with large blocks
-    (and, but for ``ceiling-1``, parallel readers). Each rank reads its 1/W span of the files with
-    ``threads`` threads taking ``CEILING_BLOCK`` blocks in order (``ceiling-1``: one thread a rank,
-    as ``dd``; the faster of the two only at 300 MB W=2 so far, narrowly; the targets take the
-    faster of those measured). The bytes are
-    discarded, so each thread reads into one reused, touched block buffer rather than a span-sized
-    one: the least memory work a read can do, and no span-sized allocation raising the rank's memory."""
+    (and, but for ``ceiling-1``, parallel readers). Each rank reads its 1/W span (``world=1``: rank
+    0 all of it) with ``threads`` threads taking ``CEILING_BLOCK`` blocks in order (``ceiling-1``:
+    one thread a rank, as ``dd``; the faster of the two only at 300 MB W=2 so far, narrowly; the
+    targets take the faster of those measured). The bytes are discarded, so each thread reads into
+    one reused, touched block buffer rather than a span-sized one: the least memory work a read
+    can do, and no span-sized allocation raising the rank's memory."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
-    blocks = ceiling_blocks(folder)
+    blocks = ceiling_blocks(folder, world)
     free = queue.SimpleQueue()  # one buffer per thread: a block takes one and gives it back
     for _ in range(threads):
         free.put(touched_buffer(CEILING_BLOCK))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.load.checkpoint import drop_caches_problem
 from benchmarks.load.report import write_outputs
 
 from tests.support import REPO
@@ -259,7 +260,7 @@ def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache,
                "--cache", cache, "--out", tmp_path, "--name", "t",
                env={"PYTHONPATH": exit_aborting_hook(tmp_path / "hook")})
     data = json.loads((tmp_path / "cold-one-world-t.json").read_text())
-    methods = ["zload+init", "zload", "dcp", "ceiling", "ceiling-1"]
+    methods = ["zload+init", "zload", "dcp", "ceiling", "ceiling-1", "ceiling-one-reader"]
     assert [(p["size"], p["world"]) for p in data["results"]] == [(SIZE, 1), (SIZE, 3)]
     for point in data["results"]:
         assert list(point["seconds"]) == methods and all(len(s) == 2 and min(s) > 0 for s in point["seconds"].values())
@@ -275,6 +276,26 @@ def test_one_world_benchmark_times_every_method_cold_and_checks_the_loads(cache,
     assert "| zload+init / dcp |" in table and "| zload / zload+init |" in table and "| dcp / ceiling-1 |" in table
     assert f"| method | what it times | {SIZE} W=1 | {SIZE} W=3 |" in table and "checked against the checkpoint" in table
     assert (tmp_path / "cold-one-world-t.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(drop_caches_problem() is not None, reason="/proc/sys/vm/drop_caches is not writable here")
+def test_one_world_benchmark_drops_every_cache_before_each_cold_round_with_no_warm_up(cache, tmp_path):
+    """The issue's method at W=2: ``sync`` and ``drop_caches`` by node rank 0 before every
+    measurement, no warm run first; round 1 reported apart. The one-reader ceiling reads every
+    file once, on rank 0."""
+    run_module(tmp_path, "benchmarks.cold_one_world", "--size", f"{SIZE}@2", "--rounds", "2", "--evict", "drop-caches",
+               "--no-warm-up", "--methods", "zload+init", "dcp", "ceiling-one-reader", "--cache", cache,
+               "--out", tmp_path, "--name", "t")
+    (point,) = json.loads((tmp_path / "cold-one-world-t.json").read_text())["results"]
+    assert point["world"] == 2 and point["evicted_by"] == ["drop_caches"] and point["warm_up"] is False
+    assert len(point["residency"]) == 6 and all(len(s) == 2 and min(s) > 0 for s in point["seconds"].values())
+    if shutil.which("fincore"):
+        assert all(r is not None and r <= 0.1 for r in point["residency"])
+    assert all(all(v["ok"] for v in c.values()) for c in point["checks"])
+    table = (tmp_path / "cold-one-world-t.md").read_text()
+    assert "emptied by drop_caches" in table and "no warm-up run" in table
+    assert "| ceiling-one-reader |" in table.split("Round 1 apart")[1]
 
 
 @pytest.mark.slow

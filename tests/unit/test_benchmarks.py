@@ -175,16 +175,20 @@ def test_plot_shows_seconds_and_throughput_against_size_with_the_speed_up(tmp_pa
     assert "transformers" not in saved[0].axes[0].get_title() and not saved[0].axes[0].texts
 
 
-def _one_world_run(cache, tmp_path, monkeypatch, failing=(), wrong=()) -> tuple[str, Path]:
-    """``benchmarks.cold_one_world`` at 20 MB, worlds 1, 2 and 3, launching nothing: a world in
-    ``failing`` raises as a failed launch does, the others write a made-up result (whose checks
-    fail in a world in ``wrong``). Returns the error main raised and the folder of logs it kept."""
+def _one_world_run(cache, tmp_path, monkeypatch, failing=(), wrong=(), options=(), launched=None) -> tuple:
+    """``benchmarks.cold_one_world`` at 20 MB, worlds 1, 2 and 3 (and ``options``), launching
+    nothing: a world in ``failing`` raises as a failed launch does, the others write a made-up
+    result (whose checks fail in a world in ``wrong``) and add their worker's arguments to
+    ``launched``. Returns the error main raised and the folder of logs it kept, or (None, None)
+    where nothing fails."""
     from benchmarks import cold_one_world
 
     methods = list(cold_one_world.METHODS)
 
     def launch(worker_args, world, args, log_path, what):
         Path(log_path).write_text(f"the log of {what}")
+        if launched is not None:
+            launched.append(worker_args)
         if world in failing:
             raise RuntimeError(f"{what} failed (1); log {log_path}:\nits last lines")
         checks = [{m: {"ok": world not in wrong} for m in methods[:3]}] * world
@@ -196,7 +200,10 @@ def _one_world_run(cache, tmp_path, monkeypatch, failing=(), wrong=()) -> tuple[
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(sys, "argv", ["cold_one_world", "--size", SIZE, "--world", "1", "2", "3", "--cache",
-                                      str(cache), "--out", str(tmp_path / "out"), "--name", "t"])
+                                      str(cache), "--out", str(tmp_path / "out"), "--name", "t", *options])
+    if not failing and not wrong:
+        assert cold_one_world.main() == 0
+        return None, None
     with pytest.raises(RuntimeError) as raised:
         cold_one_world.main()
     (logs,) = (tmp_path / "tmp").glob("zload-bench-*")  # the snapshot of zload's sources goes, the logs stay
@@ -241,6 +248,78 @@ def test_one_world_benchmark_stops_at_a_load_that_differs_from_the_checkpoint(ca
     assert not (tmp_path / "out").exists()
     assert sorted(f.name for f in logs.iterdir()) == [f"{SIZE}-1.log", f"{SIZE}-2.json", f"{SIZE}-2.log"]
     assert not json.loads((logs / f"{SIZE}-2.json").read_text())["checks"][0]["zload"]["ok"]
+
+
+def test_one_world_benchmark_empties_the_cache_as_asked_and_shows_round_one_apart(cache, tmp_path, monkeypatch):
+    """``--evict`` and ``--no-warm-up`` reach every world; round 1 is shown beside the median and
+    range of the later rounds (where one-time costs show when nothing ran before the rounds)."""
+    from benchmarks.load import checkpoint
+
+    monkeypatch.setattr(checkpoint, "DROP_CACHES", str(tmp_path / "drop_caches"))  # writable: allowed
+    launched = []
+    _one_world_run(cache, tmp_path, monkeypatch, options=["--evict", "drop-caches", "--no-warm-up"], launched=launched)
+    assert len(launched) == 3
+    assert all(args[args.index("--evict") + 1] == "drop-caches" and "--no-warm-up" in args for args in launched)
+    data = json.loads((tmp_path / "out" / "cold-one-world-t.json").read_text())
+    assert [p["warm_up"] for p in data["results"]] == [False] * 3
+    table = (tmp_path / "out" / "cold-one-world-t.md").read_text()
+    assert "no warm-up run: round 1 carries each method's one-time costs" in table
+    after = table.split("Round 1 apart")[1]
+    assert f"| zload+init | {' | '.join(['0.500; 0.250 (0.250-0.250)'] * 3)} |" in after
+    assert "| ceiling-one-reader |" in after and "| zload+init / ceiling-one-reader |" in table
+    launched.clear()
+    (tmp_path / "again").mkdir()
+    _one_world_run(cache, tmp_path / "again", monkeypatch, launched=launched)  # the defaults
+    assert all(args[args.index("--evict") + 1] == "fadvise" and "--no-warm-up" not in args for args in launched)
+
+
+def test_drop_caches_eviction_says_when_it_is_not_allowed(cache, tmp_path, monkeypatch):
+    """``--evict drop-caches`` where /proc/sys/vm/drop_caches cannot be written: the command refuses
+    before building or launching anything, naming the file and the way that works; an eviction
+    that fails all the same raises with that message. Where it can be written, "3" is written."""
+    from benchmarks import cold_one_world
+    from benchmarks.load import checkpoint
+
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 4096)
+    monkeypatch.setattr(checkpoint, "DROP_CACHES", str(tmp_path / "drop_caches"))
+    assert checkpoint.drop_caches_problem() is None
+    assert checkpoint.evict_page_cache(str(folder), "drop-caches")["how"] == "drop_caches"
+    assert (tmp_path / "drop_caches").read_text() == "3\n"
+    monkeypatch.setattr(checkpoint, "DROP_CACHES", str(tmp_path / "no such folder" / "drop_caches"))
+    problem = checkpoint.drop_caches_problem()
+    assert "no such folder/drop_caches is not writable here" in problem and "--evict fadvise" in problem
+    with pytest.raises(RuntimeError, match="is not writable here"):
+        checkpoint.evict_page_cache(str(folder), "drop-caches")
+    monkeypatch.setattr(cold_one_world, "launch_local", lambda *a: pytest.fail("launched"))
+    monkeypatch.setattr(sys, "argv", ["cold_one_world", "--size", "1TB", "--evict", "drop-caches", "--cache",
+                                      str(tmp_path / "cache"), "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as refused:
+        cold_one_world.main()
+    assert refused.value.code == 2 and not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+
+
+def test_named_checkpoint_shapes_stand_where_a_size_does():
+    """The issue-43 shapes by name, with a world-size suffix as a size takes; the 1.1 GB one in its
+    own 200 MB shards, the 540 MB one the same Llama as 600MB's; sizes are built as before."""
+    import argparse
+
+    from benchmarks.load.checkpoint import checkpoint_dir, checkpoint_shape, parse_size_spec
+
+    name, nbytes, worlds = parse_size_spec("issue43-1.1GB@1,2")
+    assert (name, worlds) == ("issue43-1.1GB", [1, 2]) and 1.05e9 < nbytes < 1.15e9
+    config, shard = checkpoint_shape(name, nbytes, "100MB")
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size, shard) == (2048, 8, 32000, "200MB")
+    assert not config.tie_word_embeddings
+    config, shard = checkpoint_shape(*parse_size_spec("issue43-540MB")[:2], "100MB")
+    same = checkpoint_shape(*parse_size_spec("600MB")[:2], "100MB")
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (1024, 2816, 18)
+    assert checkpoint_dir("c", config, shard) == checkpoint_dir("c", *same)
+    config, shard = checkpoint_shape(*parse_size_spec("300MB")[:2], "100MB")
+    assert checkpoint_dir("c", config, shard) == "c/llama-bf16-h1024-i2816-l7-v32000-shard100MB"  # as before
+    with pytest.raises(argparse.ArgumentTypeError, match="or a named shape: issue43-1.1GB, issue43-540MB"):
+        parse_size_spec("issue43-2GB")
 
 
 def test_results_say_whose_uncommitted_changes_measured(tmp_path, monkeypatch):
