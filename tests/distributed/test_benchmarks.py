@@ -156,6 +156,23 @@ def test_convert_benchmark_checks_and_reports_every_method(cache, tmp_path):
     assert all(f"| {method} |" in table for method in methods)
 
 
+@pytest.mark.slow
+def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
+    """A run saved at W=2 both ways, resumed at W'=1 by DeepSpeed's universal checkpoint and by
+    zload from both saves (the script raises unless the resumed optimizers are bit-identical):
+    the JSON and table name every step, and zload reads the same bytes from either save."""
+    run_module(tmp_path, "benchmarks.resume", "--size", SIZE, "--worlds", "1", "--runs", "1", "--cache", cache,
+               "--out", tmp_path, "--name", "smoke")
+    result = json.loads((tmp_path / "resume-smoke.json").read_text())["results"][0]
+    assert list(result["saves"]) == ["save_checkpoint", "zload.save"]
+    resumed = result["resumes"]["1"]
+    assert list(resumed) == ["load_universal", "zload (native)", "zload (zload.save)"]
+    assert all(m["seconds"] > 0 for m in [*resumed.values(), result["ds_to_universal"]])
+    assert resumed["zload (native)"]["bytes_read_ranks"] == resumed["zload (zload.save)"]["bytes_read_ranks"]
+    table = (tmp_path / "resume-smoke.md").read_text()
+    assert all(f"| {step} |" in table for step in [*resumed, "ds_to_universal", "zload.save"])
+
+
 def test_gpu_check_smoke_run_on_cpu(cache, tmp_path):
     """``--device cpu``: the Triton kernel (interpreted) agrees with torch for every dtype pair,
     and the one-rank load is verified against the files."""

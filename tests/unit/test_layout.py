@@ -95,6 +95,10 @@ DEEPSPEED_INTERNALS = {
     "ZeroParamStatus", "PartitionedParamStatus", "OffloadDeviceEnum", "checkpoint_event_prologue",
     "checkpoint_event_epilogue", "refresh_fp32_params", "safe_set_local_fp32_param", "safe_get_local_fp32_param",
     "safe_get_full_fp32_param", "GatheredParameters", "DeepSpeedEngine",
+    # a ZeRO optimizer's flat partitions, groups and states (a resume)
+    "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "single_partition_of_fp32_groups",
+    "fp16_groups", "bit16_groups", "sub_group_to_group_id", "swap_optimizer", "_hp_mapping", "lp_fragment_address",
+    "hp_fragment_address", "update_lp",
 }
 DEEPSPEED_MODULE = "zload.integrations.deepspeed"
 

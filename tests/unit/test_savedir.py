@@ -192,3 +192,67 @@ def test_a_single_file_that_cannot_give_way_to_shards_rolls_the_commit_back(tmp_
     assert not folder.committed
     assert folder.abort() == f"{tmp_path} is as it was"
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+
+
+def _optimizer_state(folder, shard, digest="old"):
+    """An optimizer index (and its shard) as zload.save(optimizer=True) leaves them in ``folder``."""
+    (folder / shard).write_bytes(b"optimizer state " + digest.encode())
+    (folder / "optimizer.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"weights": [digest]}, "weight_map": {"w.fp32": shard}}))
+
+
+def _killed_after_commit(folder, with_optimizer):
+    """A save killed once its index replaced the old one (before its configs and optimizer index
+    moved in), over a checkpoint saved with its optimizer state."""
+    (folder / "model-00001-of-00001.safetensors").write_bytes(b"old")
+    _optimizer_state(folder, "optimizer-00001-of-00001.safetensors")
+    stale = ["model-00001-of-00001.safetensors", "optimizer-00001-of-00001.safetensors"]
+    (folder / "model-c0ffee00-00001-of-00001.safetensors").write_bytes(b"new")
+    created = ["model-c0ffee00-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    staged, configs = [], []
+    if with_optimizer:
+        (folder / "optimizer-c0ffee00-00001-of-00001.safetensors").write_bytes(b"new optimizer state")
+        created.append("optimizer-c0ffee00-00001-of-00001.safetensors")
+        staged = configs = ["optimizer.safetensors.index.json"]
+    else:
+        stale.append("optimizer.safetensors.index.json")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"w": "model-c0ffee00-00001-of-00001.safetensors"}}))
+    staging = _killed_save(folder, "c0ffee00" * 2, {"single": "model.safetensors", "created": created,
+                                                     "stale": stale, "configs": configs,
+                                                     "beside": "optimizer.safetensors"}, staged=staged)
+    if with_optimizer:
+        _optimizer_state(staging, "optimizer-c0ffee00-00001-of-00001.safetensors", "new")
+    SaveFolder(str(folder), "e" * 16).clean_up_killed_saves()
+
+
+def test_a_killed_save_with_its_optimizer_state_is_completed_with_it(tmp_path):
+    """Its optimizer index moves in as a config does; the earlier optimizer state's shard goes."""
+    _killed_after_commit(tmp_path, with_optimizer=True)
+    assert sorted(os.listdir(tmp_path)) == ["model-c0ffee00-00001-of-00001.safetensors",
+                                            "model.safetensors.index.json",
+                                            "optimizer-c0ffee00-00001-of-00001.safetensors",
+                                            "optimizer.safetensors.index.json"]
+    index = json.loads((tmp_path / "optimizer.safetensors.index.json").read_text())
+    assert index["metadata"]["weights"] == ["new"]
+
+
+def test_a_killed_save_without_optimizer_state_removes_the_earlier_one(tmp_path):
+    """As a save that finishes does: the optimizer state belonged to the weights it replaced."""
+    _killed_after_commit(tmp_path, with_optimizer=False)
+    assert sorted(os.listdir(tmp_path)) == ["model-c0ffee00-00001-of-00001.safetensors",
+                                            "model.safetensors.index.json"]
+
+
+def test_a_killed_save_before_its_commit_keeps_the_earlier_optimizer_state(tmp_path):
+    """Rolled back: its optimizer shards go; the earlier weights keep their optimizer state."""
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    _optimizer_state(tmp_path, "optimizer-00001-of-00001.safetensors")
+    (tmp_path / "optimizer-c0ffee00-00001-of-00001.safetensors").write_bytes(b"moved in, never listed")
+    _killed_save(tmp_path, "c0ffee00" * 2, {"single": "model.safetensors",
+                                            "created": ["optimizer-c0ffee00-00001-of-00001.safetensors"],
+                                            "stale": ["optimizer-00001-of-00001.safetensors"],
+                                            "beside": "optimizer.safetensors"})
+    SaveFolder(str(tmp_path), "d" * 16).clean_up_killed_saves()
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "optimizer-00001-of-00001.safetensors",
+                                            "optimizer.safetensors.index.json"]

@@ -125,6 +125,9 @@ class CheckpointIndex:
     # A Hub repo read over HTTP (``open.open_source(headers_only=True)``): the URL its files lie
     # under, their headers alone read; ``root`` then holds only its index and config
     remote: str = ""
+    # what a DeepSpeed checkpoint's files hold beyond tensors (``native.NativeLayout``), which a
+    # resume reads its optimizer states from; None for safetensors and for an index shared by ranks
+    layout: object = field(default=None, compare=False, repr=False)
 
     def path(self, key: str) -> str:
         """Where the file ``key`` lies: on this machine, or, for a ``remote`` repo, its URL."""

@@ -34,7 +34,7 @@ import os
 import re
 import struct
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 
 from ..errors import CheckpointNotFoundError, InvalidCheckpointError
@@ -520,6 +520,10 @@ class NativeLayout:
     module_dtypes: dict[str, str]  # every parameter's and buffer's dtype in the module
     shared: dict[str, str]  # tied names: alias -> the name stored
     sliced: dict[str, int] | None = None  # ZeRO-1/2: each trainable parameter's elements by the slice mappings
+    # the unpickled files, for what a resume reads beyond the weights (``optimizer_state``): each
+    # rank's optimizer states, and the model states of rank 0
+    optim_files: list[_PtFile] = field(default_factory=list, repr=False)
+    model_file: _PtFile | None = field(default=None, repr=False)
 
 
 def _files(flat: list[Stored]) -> str:
@@ -1014,7 +1018,8 @@ def read_layout(folder: str, table: FileTable) -> NativeLayout:
                 frozen_shapes[name], frozen[name] = stored.shape, [stored]
     return NativeLayout(stage, world, param_shapes, flat, paddings, frozen_shapes, frozen,
                         {n: module[n] for n in buffer_names}, module if stage < 3 else {},
-                        {n: s.dtype for n, s in module.items()}, dict(shared), _sliced(states) if stage < 3 else None)
+                        {n: s.dtype for n, s in module.items()}, dict(shared), _sliced(states) if stage < 3 else None,
+                        optim_files, main)
 
 
 def read_native(folder: str, table: FileTable,
@@ -1031,8 +1036,9 @@ def read_native(folder: str, table: FileTable,
 
 def open_native(source: str, folder: str, table: FileTable, module_weights: bool = False) -> CheckpointIndex:
     """Index the DeepSpeed checkpoint in tag folder ``folder`` (found from ``source``)."""
-    _, entries = read_native(folder, table, module_weights)
-    return CheckpointIndex(source, tuple(table.files), entries, opened=table, root=os.path.abspath(folder))
+    layout, entries = read_native(folder, table, module_weights)
+    return CheckpointIndex(source, tuple(table.files), entries, opened=table, root=os.path.abspath(folder),
+                           layout=layout)
 
 
 def converted_tensors(layout: NativeLayout, entries: dict[str, TensorEntry],

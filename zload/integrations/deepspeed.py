@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checkpoint.optimizer_state import COUNTERS, LOSS_SCALE_KEYS
+from ..checkpoint.partition import Partition
 from ..distributed import collective, speaks_for_node, stage
-from ..errors import PeerLostError, UnsupportedEnvironmentError, ZloadWarning
+from ..errors import PeerLostError, UnsupportedEnvironmentError, UnsupportedModelError, ZloadWarning
 
 MINIMUM_VERSION = (0, 19, 3)  # the first release with every internal used here
 TESTED_VERSION = "0.19.8"  # the release the test suite runs
@@ -201,13 +203,14 @@ def masters_of(module, engine) -> Masters | None:
 
 
 @contextmanager
-def engine_writes(masters: Masters | None):
+def engine_writes(masters: Masters | None, resumed=None):
     """Keep the engine that keeps ``masters`` (None: no engine) consistent around in-place writes
     into its (partitioned) parameters.
 
     ZeRO-3 needs persistent parameters partitioned first and re-gathered after; every optimizer
     that keeps fp32 masters (ZeRO-1/2/3, bf16, fp16) must refresh them, or its next step would
-    write the old weights back.
+    write the old weights back. ``resumed``: the engine whose masters the writes set too (a resume),
+    whose 16-bit weights are set from them instead (``weights_from_masters``).
     """
     zero3 = [o for o in getattr(masters, "optimizers", ()) if hasattr(o, "checkpoint_event_prologue")]
     with collective():
@@ -224,7 +227,9 @@ def engine_writes(masters: Masters | None):
         raise
     with stage("updating the engine after the load", "The weights are written, but the engine's "
                "fp32 masters or persistent parameters may not be: do not train on with it."), collective():
-        if masters is not None:
+        if resumed is not None:
+            weights_from_masters(resumed)
+        elif masters is not None:
             masters.refresh()  # fp32 masters <- the weights just written
         for optimizer in zero3:
             optimizer.checkpoint_event_epilogue()  # drop hpZ secondaries, re-gather persistent params
@@ -410,3 +415,153 @@ def attach_first_partition(param, partition: torch.Tensor, aligned: int) -> None
     param.ds_tensor = partition
     param.ds_numel_aligned = aligned
     param.ds_status = statuses.ZeroParamStatus.NOT_AVAILABLE
+
+
+# ---- the engine's optimizer: fp32 masters, optimizer states, parameter groups (a resume)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Elements ``[first, first + count)`` of parameter ``param`` (flat, row-major) that this rank's
+    optimizer holds at element ``offset`` of a flat partition (``Flat``)."""
+
+    param: object
+    first: int
+    count: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Flat:
+    """One flat fp32 partition of this rank's optimizer (a ZeRO-3 sub-group, a ZeRO-1/2 group):
+    ``master`` holds the fp32 master weights of ``slots``, the rest of it is padding; the optimizer
+    keeps a state per flat (Adam's ``exp_avg``... laid out like ``master``, and a step count)."""
+
+    group: int  # the index of its parameter group in the optimizer's param_groups
+    master: torch.Tensor
+    slots: tuple[Slot, ...]
+
+
+def _zero_optimizer(engine):
+    """The engine's ZeRO optimizer, refused where its states cannot be written in memory."""
+    optimizer = getattr(engine, "optimizer", None)
+    if not hasattr(optimizer, "fp32_partitioned_groups_flat") and not hasattr(
+            optimizer, "single_partition_of_fp32_groups"):
+        raise UnsupportedModelError(f"the engine's optimizer is a {type(optimizer).__name__}, not a ZeRO optimizer "
+                                    "(stage 1, 2 or 3): zload restores the optimizer states of ZeRO only")
+    if getattr(optimizer, "swap_optimizer", False) or getattr(optimizer, "fp16_partitioned_groups_flat", [0]).count(
+            None):
+        raise UnsupportedModelError("the engine swaps its optimizer states or parameters to NVMe, which zload "
+                                    "does not restore optimizer states into yet")
+    return optimizer
+
+
+def optimizer_flats(engine) -> tuple[list[Flat], int]:
+    """This rank's flat fp32 partitions and which parameter elements each holds, and the number of
+    parameter groups; raises ``UnsupportedModelError`` for an optimizer zload cannot restore.
+
+    ZeRO-3 holds, per sub-group, each parameter's partition (``ceil(numel / world)`` elements, its
+    padding included) one after another; ZeRO-1/2 holds, per group, this rank's slice of the group's
+    flat buffer, and records which fragment of each parameter lies where (``_hp_mapping``)."""
+    import torch.distributed as dist
+
+    optimizer = _zero_optimizer(engine)
+    flats = []
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        for sub_group, params in enumerate(optimizer.fp16_groups):
+            slots, offset = [], 0
+            for param in params:
+                group = zero3_group(param)
+                part = Partition(param.ds_numel, dist.get_world_size(group=group), dist.get_rank(group=group))
+                slots.append(Slot(param, part.start, part.valid, offset))
+                offset += partition_size(param)
+            flats.append(Flat(optimizer.sub_group_to_group_id[sub_group],
+                              optimizer.fp32_partitioned_groups_flat[sub_group], tuple(slots)))
+    else:
+        for group, params in enumerate(optimizer.bit16_groups):
+            slots = [Slot(p, m.lp_fragment_address.start, m.lp_fragment_address.numel, m.hp_fragment_address.start)
+                     for p in params if (m := p._hp_mapping) is not None]
+            flats.append(Flat(group, optimizer.single_partition_of_fp32_groups[group], tuple(slots)))
+    return flats, len(optimizer.optimizer.param_groups)
+
+
+def optimized_parameters(engine) -> list[list]:
+    """The parameters each of the engine's parameter groups optimizes (frozen ones are in none)."""
+    optimizer = _zero_optimizer(engine)
+    groups: list[list] = [[] for _ in optimizer.optimizer.param_groups]
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        for sub_group, params in enumerate(optimizer.fp16_groups):
+            groups[optimizer.sub_group_to_group_id[sub_group]].extend(params)
+    else:
+        for group, params in enumerate(optimizer.bit16_groups):
+            groups[group].extend(params)
+    return groups
+
+
+def hyperparameters(engine) -> list[dict]:
+    """Each parameter group's hyperparameters (a copy of its dict, but its ``params``)."""
+    groups = _zero_optimizer(engine).optimizer.param_groups
+    return [{k: v for k, v in group.items() if k != "params"} for group in groups]
+
+
+def flat_states(engine, flats: list[Flat]) -> list[dict]:
+    """The optimizer's state of each of ``flats`` (its dict: Adam's ``exp_avg``, ``exp_avg_sq``,
+    ``step``...; empty before its first step)."""
+    state = _zero_optimizer(engine).optimizer.state
+    return [state[flat.master] if flat.master in state else {} for flat in flats]
+
+
+def set_optimizer_state(engine, flats: list[Flat], states: list[dict], groups: list[dict]) -> None:
+    """Make ``states[i]`` the optimizer's whole state of ``flats[i]`` (what it held is dropped)
+    and set each parameter group's hyperparameters from ``groups`` (``params`` left alone)."""
+    optimizer = _zero_optimizer(engine).optimizer
+    for flat, state in zip(flats, states):
+        optimizer.state[flat.master] = state
+    for group, values in zip(optimizer.param_groups, groups):
+        group.update({k: v for k, v in values.items() if k != "params"})
+
+
+def weights_from_masters(engine) -> None:
+    """Set this rank's 16-bit weights from the fp32 masters, as the optimizer does after a step
+    (no collective: ZeRO-1/2 update each parameter's fragment this rank owns; the other fragments
+    are other ranks' to keep)."""
+    optimizer = _zero_optimizer(engine)
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        for low, master in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat):
+            if master.numel():
+                low.data.copy_(master.data)
+    else:
+        for params in optimizer.bit16_groups:
+            for param in params:
+                if param._hp_mapping is not None:
+                    param._hp_mapping.update_lp()
+
+
+def loss_scale_state(engine) -> dict:
+    """What the engine's loss scaler has learnt (fp16's dynamic scale, its iteration counts)."""
+    scaler = getattr(_zero_optimizer(engine), "loss_scaler", None)
+    return {k: getattr(scaler, k) for k in LOSS_SCALE_KEYS if isinstance(getattr(scaler, k, None), (int, float))}
+
+
+def set_loss_scale_state(engine, state: dict) -> None:
+    """Restore ``loss_scale_state`` (the keys both the engine's scaler and ``state`` have)."""
+    scaler = getattr(_zero_optimizer(engine), "loss_scaler", None)
+    for key in LOSS_SCALE_KEYS:
+        if key in state and hasattr(scaler, key):
+            setattr(scaler, key, state[key])
+
+
+def training_counters(engine) -> dict:
+    """The engine's step and sample counts (``global_steps``...), which ``save_checkpoint`` saves."""
+    return {k: getattr(engine, k) for k in COUNTERS}
+
+
+def set_training_counters(engine, counters: dict) -> None:
+    for key in COUNTERS:
+        if key in counters:
+            setattr(engine, key, counters[key])
+
+
+def lr_scheduler(engine):
+    """The engine's learning-rate scheduler (``engine.lr_scheduler``), or None."""
+    return getattr(engine, "lr_scheduler", None)

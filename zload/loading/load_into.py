@@ -10,18 +10,20 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
 import torch
 
 from ..checkpoint.files import FileTable
+from ..checkpoint.native import native_folder
+from ..checkpoint.optimizer_state import OPTIMIZER_INDEX
 from ..checkpoint.quantized import FP8
 from ..checkpoint.views import SharedIndex, Verify
 from ..collector import collector_paused
 from ..distributed import Arguments, agree, collective, problems_of, rank_and_world, speaks_for_all, stage, warn_for_all
-from ..errors import ArgumentTypeError, ArgumentValueError
+from ..errors import ArgumentTypeError, ArgumentValueError, ZloadError
 from ..integrations.deepspeed import Masters, convert_like, drop_secondary, engine_writes, flat_partition, masters_of
 from ..kernels import scatter_cast, zero_segment
 from ..model.init import is_unloaded, mark_loaded
@@ -31,6 +33,7 @@ from ..progress import progress_for
 from ..report import LoadReport, shortened
 from .agree import open_agreed
 from .execute import DEFAULT_STAGING_BYTES, execute
+from .optimizer import OptimizerPlan, plan_optimizer, restore_optimizer
 from .peers import fetch_remote
 from .plan import LoadPlan, ReadItem, make_plan, staging_problems
 from .slow_path import load_converted
@@ -95,6 +98,9 @@ class _LoadPlanner:
     strict: bool
     key_map: KeyMap | None
     staging_bytes: int
+    resumed: object = None  # the engine whose optimizer a resume restores (optimizer=True)
+    # every optimizer plan made (``open_agreed`` may plan twice): their files are closed by ``close``
+    optimizer_plans: list[OptimizerPlan] = field(default_factory=list)
 
     def plan(self, shared: SharedIndex) -> LoadPlan:
         index = shared.index
@@ -106,11 +112,23 @@ class _LoadPlanner:
         if lacked:  # first: it is why they are refused, whatever else this rank finds
             plan.problems.insert(0, f"FP8 weights in files this rank lacks cannot be sent to it yet: "
                                     f"{shortened(lacked, 5)}; put the checkpoint where every node sees it")
+        if self.resumed is not None:
+            plan.optimizer = OptimizerPlan(engine=self.resumed)
+            self.optimizer_plans.append(plan.optimizer)
+            plan_optimizer(plan.optimizer, targets, index)
+            plan.problems += plan.optimizer.problems
+            restored = {i for i, t in enumerate(targets) if id(t.tensor) in plan.optimizer.from_masters}
+            plan.items = [item for item in plan.items if item.target not in restored]  # read as masters
         left = [t.name for i, t in enumerate(targets) if i not in plan.sources and is_unloaded(t.tensor)]
         if self.strict and left:
             plan.problems.append(f"{len(left)} parameters built by zload.init (no trained values until "
                                  f"loaded) would stay unwritten (strict=True): {shortened(left, 20)}")
         return plan
+
+    def close(self) -> None:
+        """Close the optimizer files the plans opened, whether the load went ahead or not."""
+        for plan in self.optimizer_plans:
+            plan.close()
 
 
 @dataclass(frozen=True)
@@ -202,6 +220,24 @@ class _Converted:
         return Moved(read=load_converted(self.plan, dests, self.shared))
 
 
+@dataclass(frozen=True)
+class _Optimizer:
+    """A resume's optimizer state, after the weights: each flat partition's masters and states
+    (``loading.optimizer``)."""
+
+    source: str
+    plan: OptimizerPlan
+    files: FileTable
+    staging_bytes: int
+
+    @property
+    def stage(self) -> str:
+        return f"restoring the optimizer state of {self.source}"
+
+    def deliver(self, dests: list[torch.Tensor | None]) -> Moved:
+        return Moved(read=restore_optimizer(self.plan, self.files, self.staging_bytes, self.source))
+
+
 def _byte_sources(plan: LoadPlan, shared: SharedIndex, source: str, staging_bytes: int,
                   progress: bool | None) -> list[ByteSource]:
     """Where the load's bytes come from, in the order every rank delivers them."""
@@ -210,7 +246,10 @@ def _byte_sources(plan: LoadPlan, shared: SharedIndex, source: str, staging_byte
     if shared.sharing:  # the same on every rank
         remote = [i for i in plan.items if i.file in shared.remote_files]
         sources.append(_Peers(source, shared, remote, staging_bytes))
-    return [*sources, _Converted(source, plan, shared)]
+    sources.append(_Converted(source, plan, shared))
+    if plan.optimizer is not None:
+        sources.append(_Optimizer(source, plan.optimizer, shared.index.opened, staging_bytes))
+    return sources
 
 
 _UNCHANGED = "The model was not changed."
@@ -221,7 +260,7 @@ _PARTLY = "The model is partly written: load it again before using it."
 def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: KeyMap | None = None,
               revision: str | None = None, progress: bool | None = None,
               staging_bytes: int = DEFAULT_STAGING_BYTES, verify: str = "sample",
-              _initialises_missing: bool = False) -> LoadReport:
+              optimizer: bool = False, _initialises_missing: bool = False) -> LoadReport:
     """Load a safetensors checkpoint into ``model`` in place, each rank reading only its bytes.
 
     ``model`` is an ``nn.Module`` (built under ``deepspeed.zero.Init`` or not), a
@@ -245,17 +284,32 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     ``progress``, and ``path`` where nodes hold their own copies) and models built the same way;
     otherwise every rank raises ``ArgumentValueError`` or ``PlanError``. Raises ``ZloadError`` (the
     same on every rank) and leaves the model untouched when the checkpoint does not fit the model.
+    ``optimizer=True`` (``model`` a ``DeepSpeedEngine`` with a ZeRO-1/2/3 optimizer) resumes training:
+    from a DeepSpeed checkpoint saved at any world size, or a folder ``zload.save(engine, path,
+    optimizer=True)`` wrote, it also restores each parameter group's fp32 masters, optimizer states
+    (Adam's ``exp_avg``, ``exp_avg_sq``), step count and hyperparameters, the loss scaler, the
+    engine's step counters and its LR scheduler, and sets the 16-bit weights from the masters;
+    parameter groups that differ from the checkpoint's are a ``PlanError``, before anything is written.
+    A folder holding both safetensors weights without zload's optimizer files and a DeepSpeed
+    checkpoint (an HF Trainer's ``checkpoint-N``) resumes from the DeepSpeed checkpoint.
     (``_initialises_missing``: the caller, ``from_pretrained``, initialises what is missing and
     warns about it; this call does not.)
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
-    module, masters, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes, verify)
-    planner = _LoadPlanner(module, masters is not None, strict, key_map, staging_bytes)
-    with stage(f"indexing and planning the load of {path}", _UNCHANGED):
-        source, shared, plan = open_agreed(path, revision, verify, arguments, planner)
-    with shared.index:
-        moved = _execute(plan, shared, masters, module, source, staging_bytes, progress)
+    module, engine, masters, path, verify, arguments = _call(model, path, strict, key_map, revision, staging_bytes,
+                                                             verify, optimizer)
+    if optimizer is True and isinstance(path, str):
+        path = _resume_source(path)
+    planner = _LoadPlanner(module, masters is not None, strict, key_map, staging_bytes,
+                           engine if optimizer is True else None)
+    try:
+        with stage(f"indexing and planning the load of {path}", _UNCHANGED):
+            source, shared, plan = open_agreed(path, revision, verify, arguments, planner)
+        with shared.index:
+            moved = _execute(plan, shared, masters, module, source, staging_bytes, progress)
+    finally:
+        planner.close()
 
     report = LoadReport(source=source, rank=rank, world_size=world, loaded=plan.loaded, missing=plan.missing,
                         unexpected=plan.unexpected, conversions=plan.conversions, repaired_orphans=plan.orphans,
@@ -271,9 +325,22 @@ def load_into(model, path: str | os.PathLike, *, strict: bool = True, key_map: K
     return report
 
 
-def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tuple:
-    """(module, its engine's ``Masters`` or None, path, ``Verify``, ``Arguments``) of a ``load_into``
-    call. The ranks compare every argument but ``progress`` (a bar on rank 0 alone) and where
+def _resume_source(path):
+    """Where a resume reads from: the DeepSpeed checkpoint in the folder ``path`` where zload saved
+    no optimizer state there (an HF Trainer's ``checkpoint-N`` holds safetensors weights beside
+    ``engine.save_checkpoint``'s files, which hold the optimizer), else ``path``. Raises nothing:
+    what cannot be read is named by the load, on every rank."""
+    try:
+        if not os.path.isdir(path) or os.path.lexists(os.path.join(path, OPTIMIZER_INDEX)):
+            return path
+        return native_folder(path) or path
+    except (OSError, ValueError, ZloadError):
+        return path
+
+
+def _call(model, path, strict, key_map, revision, staging_bytes, verify, optimizer) -> tuple:
+    """(module, engine or None, its ``Masters`` or None, path, ``Verify``, ``Arguments``) of a
+    ``load_into`` call. The ranks compare every argument but ``progress`` (a bar on rank 0 alone) and where
     ``path`` leads (node-local copies may lie at different paths; their views are compared
     instead): the model and a callable ``key_map`` by kind (what the model makes of the call is
     compared as the plans' collectives), a mode by its string. An invalid argument is not raised here but once the ranks
@@ -293,6 +360,12 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tupl
         verify = Verify.of(verify, "verify")
     except ArgumentValueError as e:
         invalid = invalid or e
+    if not isinstance(optimizer, bool):
+        invalid = invalid or ArgumentTypeError(f"zload.load_into: optimizer must be True or False, got "
+                                               f"{type(optimizer).__name__}")
+    elif optimizer and module is not None and engine is None:
+        invalid = invalid or ArgumentTypeError("zload.load_into(optimizer=True) restores a DeepSpeedEngine's "
+                                               "optimizer: pass the engine, not its module")
 
     def kind(value) -> str:
         return f"a {type(value).__name__}"
@@ -306,8 +379,9 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify) -> tupl
     key_map_kind = "a callable" if callable(key_map) else {plain(k): plain(v) for k, v in key_map.items()} \
         if isinstance(key_map, Mapping) else plain(key_map)
     values = {"model": model_kind, "path": kind(path), "strict": plain(strict), "key_map": key_map_kind,
-              "revision": plain(revision), "staging_bytes": plain(staging_bytes), "verify": plain(verify)}
-    return module, masters, path, verify, Arguments("load_into", values, invalid)
+              "revision": plain(revision), "staging_bytes": plain(staging_bytes), "verify": plain(verify),
+              "optimizer": plain(optimizer)}
+    return module, engine, masters, path, verify, Arguments("load_into", values, invalid)
 
 
 def _execute(plan: LoadPlan, shared: SharedIndex, masters: Masters | None, module, source: str,
@@ -315,7 +389,7 @@ def _execute(plan: LoadPlan, shared: SharedIndex, masters: Masters | None, modul
     """Everything that writes into the model; what it moved on this rank."""
     dests = _destinations(plan)
     moved = Moved()
-    with engine_writes(masters):
+    with engine_writes(masters, plan.optimizer.engine if plan.optimizer is not None else None):
         for byte_source in _byte_sources(plan, shared, source, staging_bytes, progress):
             with stage(byte_source.stage, _PARTLY):
                 moved += byte_source.deliver(dests)

@@ -110,20 +110,23 @@ class LoadPlan:
     conversions: dict[str, list[str]] = field(default_factory=dict)  # "BF16->float32" -> names
     orphans: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    optimizer: object = None  # ``optimizer.OptimizerPlan``: a resume's, with optimizer=True
 
     @property
     def collectives(self) -> list[str]:
         """What in this plan takes part in collectives after the reads, in the order the load
         makes them: each slow-path conversion (its reader rank sends the others their parts) and
         each orphan (made a ZeRO-3 parameter by a broadcast). It must be the same on every rank,
-        or one rank would wait in a collective the others never make."""
+        or one rank would wait in a collective the others never make. A resume's optimizer state
+        comes last, described alike on every rank."""
+        resumed = [self.optimizer.agreed] if self.optimizer is not None else []
         if not self.slow and not self.orphans:  # nearly every load: nothing to walk
-            return []
+            return resumed
         converted = [(self.targets[i], self.sources[i]) for i in self.slow]
         return [f"the conversion of '{target.name}' (from {', '.join(map(brief, source.names))}; "
                 f"{dtype_name(target.dtype)} {list(source.shape)})" for target, source in converted] + \
                [f"the orphan '{target.name}' ({dtype_name(target.dtype)} {list(source.shape)})"
-                for i, source in self.sources.items() if (target := self.targets[i]).kind == ORPHAN]
+                for i, source in self.sources.items() if (target := self.targets[i]).kind == ORPHAN] + resumed
 
 
 def collectives_differing(gathered: list[list[str]]) -> str:

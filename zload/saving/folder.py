@@ -2,9 +2,10 @@
 takes the place of the old one without a moment in which neither is whole.
 
 zload owns only the files it writes: the weights (``model.safetensors``, or shards and
-``model.safetensors.index.json``; ``adapter_model.safetensors`` for an adapter) and the configs
-(``config.json``, ``generation_config.json``, ``adapter_config.json``). Everything else in the
-folder is left as it is. A save, run by rank 0 here:
+``model.safetensors.index.json``; ``adapter_model.safetensors`` for an adapter), the configs
+(``config.json``, ``generation_config.json``, ``adapter_config.json``) and the optimizer state
+(``optimizer.safetensors.index.json`` and the shards it lists). Everything else in the folder is
+left as it is. A save, run by rank 0 here:
 
 1. ``begin``: refuses a path that is not a folder, and creates a hidden staging folder
    ``.zload-save-<token>`` inside it, locked (flock) for as long as the save runs; while another
@@ -12,10 +13,14 @@ folder is left as it is. A save, run by rank 0 here:
 2. ``commit``: records in the staging folder (its manifest) the files it will create and the
    earlier files of the same weights name that will become stale, each with its identity (device,
    inode, size, modification time);
-   moves the new shards in under names no file has; renames the index (or the single file) into
-   place, and, when a single file gives way to shards, removes the single file (``from_pretrained``
-   and zload both prefer it to an index). That is the commit point: before it a reader finds the
-   old checkpoint, after it the new one. Then the configs replace theirs and the stale files go.
+   moves the new shards in under names no file has (the optimizer state's too); renames the index
+   (or the single file) into place, and, when a single file gives way to shards, removes the
+   single file (``from_pretrained`` and zload both prefer it to an index). That is the commit
+   point: before it a reader finds the old checkpoint, after it the new one. Then the configs and
+   the optimizer state's index replace theirs and the stale files go (the optimizer state of an
+   earlier save too, when this one writes none). In between, a reader finds the new weights with
+   the old optimizer state, whose index records the digests of the weights it was saved with, so
+   that ``load_into(optimizer=True)`` refuses the pair.
 3. The staging folders of killed saves (their lock is free) are cleaned up by the next save into
    the folder, as its last step: one that had not committed is rolled back (the files it created
    are removed), one that had is rolled forward (its configs moved in, its stale files removed).
@@ -38,6 +43,7 @@ from contextlib import contextmanager
 
 from ..checkpoint.files import FileTable, open_regular
 from ..checkpoint.index import MAX_INDEX_BYTES, read_weight_map, shard_path
+from ..checkpoint.optimizer_state import OPTIMIZER_SINGLE
 from ..errors import ArgumentValueError, WriteError, ZloadError
 from ..report import shortened
 
@@ -294,30 +300,46 @@ class SaveFolder:
             finally:
                 os.close(fd)  # releases the lock if this took it
 
-    def commit(self, single: str, shards: list[str], index: dict | None, configs: list[str]) -> None:
+    def _stage_index(self, single: str, shards: list[str], index: dict) -> dict[str, str]:
+        """Stage the index of ``shards`` (``index`` its content, naming the staged shards) under
+        ``single``'s index name, naming them as they will be in the folder (standard names, tagged
+        with the save's token where one is taken); returns staged name -> name in the folder."""
+        taken = any(os.path.lexists(os.path.join(self.final, n)) for n in shards)
+        renamed = {n: shard_name(single, k, len(shards), self.token[:8] if taken else "")
+                   for k, n in enumerate(shards)}
+        _write_json(os.path.join(self.staging, index_name(single)), dict(index, weight_map={
+            tensor: renamed[shard] for tensor, shard in index["weight_map"].items()}))
+        return renamed
+
+    def commit(self, single: str, shards: list[str], index: dict | None, configs: list[str],
+               beside: tuple[list[str], dict] | None = None) -> None:
         """Put the staged files in place. Weights name ``single``: written in the staging folder
         under that name when ``index`` is None, else as ``shards`` (standard names) with ``index``
-        the index's content naming them. ``configs``: files staged there that replace theirs. The
-        order is the module docstring's."""
+        the index's content naming them. ``configs``: files staged there that replace theirs.
+        ``beside``: the optimizer state's staged shards and index content (named from
+        ``OPTIMIZER_SINGLE``): its shards go in before the commit point, its index after it, as
+        the configs do; without it, the optimizer state an earlier save left is stale. The order is
+        the module docstring's."""
         _, earlier = _referenced(self.final, single)
-        renamed = {}
+        _, earlier_beside = _referenced(self.final, OPTIMIZER_SINGLE)
+        renamed, renamed_beside = {}, {}
         if index is None:
             commit_name = single
         else:
-            taken = any(os.path.lexists(os.path.join(self.final, n)) for n in shards)
-            renamed = {n: shard_name(single, k, len(shards), self.token[:8] if taken else "")
-                       for k, n in enumerate(shards)}
+            renamed = self._stage_index(single, shards, index)
             commit_name = index_name(single)
-            _write_json(os.path.join(self.staging, commit_name), dict(index, weight_map={
-                tensor: renamed[shard] for tensor, shard in index["weight_map"].items()}))
+        if beside is not None:
+            renamed_beside = self._stage_index(OPTIMIZER_SINGLE, *beside)
+            configs = [*configs, index_name(OPTIMIZER_SINGLE)]
+            earlier_beside.discard(index_name(OPTIMIZER_SINGLE))  # replaced, as a config is
         created = {target: _identity(os.path.join(self.staging, name))
-                   for name, target in [*renamed.items(), (commit_name, commit_name)]}
-        stale = {n: _identity(os.path.join(self.final, n)) for n in sorted(earlier - set(created))}
+                   for name, target in [*renamed.items(), (commit_name, commit_name), *renamed_beside.items()]}
+        stale = {n: _identity(os.path.join(self.final, n)) for n in sorted((earlier | earlier_beside) - set(created))}
         _write_json(os.path.join(self.staging, MANIFEST), {
             "single": single, "commit": commit_name, "created": created, "stale": stale,
-            "configs": configs})
+            "configs": configs, "beside": OPTIMIZER_SINGLE})
         _fsync_dir(self.staging)
-        self._move_in(renamed)
+        self._move_in({**renamed, **renamed_beside})
         self._commit(single, commit_name)
         self._move_in({name: name for name in configs})
         left = _remove(self.final, stale)
@@ -417,11 +439,16 @@ class SaveFolder:
         except (ZloadError, OSError, ValueError, KeyError, TypeError, RecursionError):
             return  # no manifest: killed before it moved anything into the folder
         in_use, _ = _referenced(self.final, single)
-        if commit in in_use and _identity(os.path.join(self.final, commit)) == created.get(commit):
+        committed = commit in in_use and _identity(os.path.join(self.final, commit)) == created.get(commit)
+        if committed:
             for name in configs:  # its commit is what readers use: its configs belong with it
                 source = os.path.join(staging, name) if isinstance(name, str) else ""
                 if (name == os.path.basename(name) and not name.startswith(".")
                         and os.path.isfile(source) and not os.path.islink(source)):
                     os.replace(source, os.path.join(self.final, name))
+        # the optimizer state readers find belongs with the weights they find: the earlier one until
+        # the commit, then this save's (none if it saved none: the earlier one's files are stale)
+        if manifest.get("beside") == OPTIMIZER_SINGLE and (not committed or index_name(OPTIMIZER_SINGLE) in configs):
+            in_use |= _referenced(self.final, OPTIMIZER_SINGLE)[0]
         _remove(self.final, {n: i for n, i in [*created.items(), *stale.items()] if n not in in_use})
         _fsync_dir(self.final)

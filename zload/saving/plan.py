@@ -216,6 +216,17 @@ def plan_writes(files: list[OutFile], targets: list[Target], rank: int, world: i
 
 
 @dataclass(frozen=True)
+class Beside:
+    """Files saved beside the weights (the optimizer state): named from ``single``, always as
+    shards with an index (``metadata`` its metadata), committed with the weights
+    (``SaveFolder.commit``)."""
+
+    single: str
+    files: list[OutFile]
+    metadata: dict
+
+
+@dataclass(frozen=True)
 class SavePlan:
     """Everything ``save`` writes, and this rank's share of it."""
 
@@ -223,6 +234,12 @@ class SavePlan:
     files: list[OutFile]
     single: str  # the file name of a one-file checkpoint (model or adapter)
     items: list[WriteItem]  # this rank's writes
+    beside: Beside | None = None
+
+    @property
+    def written(self) -> list[OutFile]:
+        """Every file the save writes: the weights' and those beside them."""
+        return self.files + (self.beside.files if self.beside else [])
 
 
 def make_save_plan(module, targets: list[Target], dtype: torch.dtype | None, max_shard_size: int | str,

@@ -31,13 +31,14 @@ from ..report import SaveReport, brief
 from . import plan as save_plan
 from . import writer
 from .folder import LOCK, STAGING_PREFIX, SaveFolder
+from .optimizer import with_optimizer
 
 
 @collector_paused()
 def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          dtype: torch.dtype | str | None = None, master_weights: bool = False,
          shared_filesystem: bool | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
-         progress: bool | None = None, buffer_bytes: int | None = None) -> SaveReport:
+         progress: bool | None = None, buffer_bytes: int | None = None, optimizer: bool = False) -> SaveReport:
     """Write ``model`` (an nn.Module, ZeRO-3 or not, or a DeepSpeedEngine) to the folder ``path``.
 
     Layout as transformers writes it: ``model.safetensors``, or shards of at most
@@ -57,6 +58,10 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     ``progress``: a bar on rank 0 counting the bytes it writes, as ``load_into``'s counts those it
     reads (None: only on a terminal).
     ``buffer_bytes`` is the former name of ``staging_bytes`` (as ``load_into`` calls it).
+    ``optimizer=True`` (``model`` a ``DeepSpeedEngine`` with a ZeRO-1/2/3 optimizer) also writes the
+    optimizer state beside the weights, each rank its own partitions (docs/optimizer-format.md):
+    ``load_into(engine, path, optimizer=True)`` resumes from it at any world size. A save without it
+    removes the optimizer state an earlier save left in ``path``.
     """
     if buffer_bytes is not None:
         warn_for_all("zload.save(buffer_bytes=...) is now staging_bytes=..., as in load_into; buffer_bytes "
@@ -66,6 +71,8 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     module, engine = unwrap(model)
     sink = _ModelSink(module, masters_of(module, engine), dtype, master_weights, max_shard_size, staging_bytes,
                       progress)
+    if optimizer is not False:
+        sink = with_optimizer(sink, engine, optimizer, max_shard_size, staging_bytes)
     report, notes = write_checkpoint(os.path.abspath(os.fspath(path)), sink, shared_filesystem, started)
     for note in notes:  # point at the caller's save() line
         warnings.warn(note, ZloadWarning, stacklevel=3)
@@ -121,13 +128,8 @@ class _ModelSink:
                                         lambda: writer.partition_sources(plan.targets, self.master_weights))
         total = writer.bytes_written_here(plan.items, plan.files, shared)
         with progress_for(total, rank=rank_and_world()[0], enabled=self.progress) as bar:
-            if not shared:
-                written, problems = writer.stream_to_rank0(plan.items, sources, staging, self.staging_bytes,
-                                                           problems, bar)
-            elif not problems:
-                written, problems = problems_of(
-                    "writing", lambda: writer.write_local(plan.items, sources, staging, self.staging_bytes, bar))
-            agree(problems, failed)
+            written = writer.write_own(plan.items, sources, staging, shared, self.staging_bytes, problems, failed,
+                                       bar)
             converted_bytes, gathered = writer.write_converted(self.module, plan.targets, plan.files, staging,
                                                                shared, self.master_weights, failed, bar)
         return written + converted_bytes, gathered
@@ -163,7 +165,7 @@ def write_checkpoint(final: str, sink: Sink, shared_filesystem: bool | None,
         plan, problems = problems_of("planning the save", sink.plan)
         agree(problems, refused)
         token = exchange(secrets.token_hex(8) if rank == 0 else None)[0]
-    files = plan.files
+    files = plan.written
     folder = SaveFolder(final, token) if rank == 0 else None
     staging = os.path.join(final, STAGING_PREFIX + token)
     as_it_was = f"{final} still holds what it held before"
@@ -182,7 +184,7 @@ def write_checkpoint(final: str, sink: Sink, shared_filesystem: bool | None,
                    f"depending on how far it got, {final} holds the old or the new checkpoint, never "
                    "a mix of both; the next save into it removes what is left over."):
             _, problems = problems_of("publishing", lambda: rank == 0 and writer.publish(
-                folder, plan.single, files, partial(sink.write_configs, plan)))
+                folder, plan.single, plan.files, partial(sink.write_configs, plan), plan.beside))
             if problems:  # rank 0's: say what the folder holds now
                 outcome = folder.abort()
                 problems = [replace(p, message=f"{p.message} ({outcome})") for p in problems]

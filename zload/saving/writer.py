@@ -16,7 +16,7 @@ from functools import partial
 import numpy
 import torch
 
-from ..checkpoint.digest import block_count, block_digests, data_digest
+from ..checkpoint.digest import DIGEST_PLACEHOLDER, block_count, block_digests, data_digest
 from ..checkpoint.dtypes import TORCH_DTYPES
 from ..checkpoint.files import FileTable
 from ..checkpoint.index import TensorEntry
@@ -41,7 +41,7 @@ from ..loading.plan import ALIGN, ReadItem, align, staging_batches
 from ..model.targets import ORPHAN, PARTITION, Target
 from ..progress import Progress
 from .folder import SaveFolder, writing
-from .plan import OutFile, OutTensor, WriteItem
+from .plan import Beside, OutFile, OutTensor, WriteItem
 
 
 def partition_sources(targets: list[Target], master_weights: bool) -> dict[int, torch.Tensor]:
@@ -100,6 +100,21 @@ class _Files:
                 os.close(fd)
         if failure is not None:
             raise failure
+
+
+def write_own(items, sources, folder: str, shared: bool, staging_bytes: int, problems: list, failed: str,
+              progress: Progress) -> int:
+    """Write this rank's ``items`` (taken from ``sources``) into the files in ``folder``: in place
+    where every rank sees it (``shared``), else streamed to rank 0; then agree on the problems
+    (``problems`` those found before, raising ``failed``). Returns the bytes written or sent."""
+    written = 0
+    if not shared:
+        written, problems = stream_to_rank0(items, sources, folder, staging_bytes, problems, progress)
+    elif not problems:
+        written, problems = problems_of("writing", lambda: write_local(items, sources, folder, staging_bytes,
+                                                                       progress))
+    agree(problems, failed)
+    return written
 
 
 def write_local(items, sources, folder: str, staging_bytes: int, progress: Progress) -> int:
@@ -384,15 +399,30 @@ def _fsync(path: str) -> None:
         os.fsync(f.fileno())
 
 
-def publish(folder: SaveFolder, single: str, files: list[OutFile], write_configs) -> None:
+def _index(files: list[OutFile], metadata: dict | None = None) -> dict:
+    """The index of ``files``: which holds each tensor."""
+    return {"metadata": {**(metadata or {}), "total_size": sum(t.nbytes for f in files for t, _ in f.tensors)},
+            "weight_map": {t.name: f.name for f in files for t, _ in f.tensors}}
+
+
+def recorded_digest(folder: str, f: OutFile) -> str:
+    """The data digest ``record_digests`` wrote into the header of ``f`` in ``folder``."""
+    with open(os.path.join(folder, f.name), "rb") as src:
+        return os.pread(src.fileno(), len(DIGEST_PLACEHOLDER), f.digest_at).decode()
+
+
+def publish(folder: SaveFolder, single: str, files: list[OutFile], write_configs, beside: Beside | None = None) -> None:
     """Rank 0: configs staged (``write_configs(staging folder)`` writes them), the new checkpoint
-    committed, then the leftovers of killed saves and this save's staging folder removed."""
-    for f in files:
+    committed (with ``beside``, the files saved beside the weights, whose index records the
+    weights' data digests), then the leftovers of killed saves and this save's staging folder
+    removed."""
+    for f in files + (beside.files if beside else []):
         _fsync(os.path.join(folder.staging, f.name))
     configs = _stage_configs(write_configs, folder.staging)
-    index = None
-    if len(files) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for f in files for t, _ in f.tensors)},
-                 "weight_map": {t.name: f.name for f in files for t, _ in f.tensors}}
-    folder.commit(single, [f.name for f in files] if index else [], index, configs)
+    index = _index(files) if len(files) > 1 else None
+    besides = None
+    if beside is not None:
+        digests = sorted(recorded_digest(folder.staging, f) for f in files)
+        besides = ([f.name for f in beside.files], _index(beside.files, {**beside.metadata, "weights": digests}))
+    folder.commit(single, [f.name for f in files] if index else [], index, configs, besides)
     folder.finish()

@@ -1,0 +1,357 @@
+"""Elastic resume: ``zload.load_into(engine, path, optimizer=True)`` against DeepSpeed's own
+``ds_to_universal`` + ``load_universal``, and ``zload.save(engine, path, optimizer=True)`` against
+``engine.save_checkpoint``.
+
+    python -m benchmarks.resume --size 1GB --worlds 1 3 --runs 3
+
+``--size`` is the model's bf16 weights. For each size it writes once (into the cache folder),
+at world size 2, a Llama-shaped model (``benchmarks.load``'s ``llama_config``) under
+``deepspeed.zero.Init`` with ZeRO-3, bf16 and AdamW after one training step, saved twice from the
+same engine: ``engine.save_checkpoint`` (``native/``) and ``zload.save(optimizer=True)``
+(``zload/``), each rank timing its own call (the save comparison). Then, for each run and each
+world size W' of ``--worlds``, each method in turn, with the files it reads (and only those: they
+may not all fit in the page cache) read just before:
+
+- ``ds_to_universal``: DeepSpeed's conversion (``python -m deepspeed.checkpoint.ds_to_universal``,
+  its default workers), once per run (it does not depend on W'), one fresh command: wall clock
+  and the peak RSS of its largest process;
+- ``load_universal``: W' ranks (torchrun) each build the engine, then time
+  ``engine.load_checkpoint`` of the converted checkpoint (``checkpoint.load_universal``);
+- ``zload (native)``: the same engine, ``zload.load_into(engine, native/, optimizer=True)``;
+- ``zload (zload.save)``: ``zload.load_into(engine, zload/, optimizer=True)``.
+
+Per rank, each step apart: the seconds of the call alone (not the engine's build), the RSS
+before it and its high-water mark after (``ru_maxrss``), and, for zload, the bytes it read; its
+I/O floor is those bytes at the speed one process reads the checkpoint's files from the page
+cache. The first run checks that every rank's fp32 masters, exp_avg, exp_avg_sq and step counts
+are bit-identical between DeepSpeed's resume and zload's two. A resume that fails (DeepSpeed's
+universal load can run out of memory) is recorded as failed. Results: ``OUT/resume-<name>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.load import HERE, MB, REPO, exit_without_teardown, log
+from benchmarks.load.checkpoint import checkpoint_files, llama_config, parse_size_spec, warm_page_cache
+from benchmarks.load.report import save_results
+
+SAVE_WORLD = 2
+NATIVE, ZLOAD = "native", "zload"
+RESUMES = ("load_universal", "zload (native)", "zload (zload.save)")  # the methods run in W' ranks
+
+
+def ds_config(universal: bool = False) -> dict:
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3}}
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config
+
+
+def _engine(config_json: str, universal: bool = False):
+    import deepspeed
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM  # before zero.Init, which their import fails under
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    config = LlamaConfig.from_json_file(config_json)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config(universal)):
+        model = LlamaForCausalLM(config)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(universal),
+                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5))
+    return engine, config
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _timed(call) -> dict:
+    """``call()``'s seconds, with the RSS before and the high-water mark after, on this rank."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    before = _rss()
+    started = time.perf_counter()
+    result = call()
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "rss_before": before, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            * 1024, "result": result}
+
+
+def _write(out: str, record: dict) -> None:
+    import torch.distributed as dist
+
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(record, f)
+    dist.barrier()  # every rank has written once all pass it
+    exit_without_teardown(0)
+
+
+def build(folder: str, out: str) -> None:
+    """One rank of the world that trains one step and saves twice (``--build``, under torchrun)."""
+    import zload
+
+    engine, config = _engine(os.path.join(folder, "config.json"))
+    import torch
+
+    ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()  # AdamW's moments exist
+    native = _timed(lambda: engine.save_checkpoint(os.path.join(folder, NATIVE)))
+    ours = _timed(lambda: zload.save(engine, os.path.join(folder, ZLOAD), optimizer=True).bytes_written)
+    _write(out, {"save_checkpoint": native, "zload.save": ours})
+
+
+def _digest(engine) -> str:
+    """This rank's fp32 masters, optimizer states and step counts, digested."""
+    import torch
+
+    optimizer = engine.optimizer
+    digest = hashlib.sha256()
+    for flat in optimizer.fp32_partitioned_groups_flat:
+        state = optimizer.optimizer.state.get(flat, {})
+        for tensor in (flat, state.get("exp_avg"), state.get("exp_avg_sq")):
+            digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(repr(float(state["step"])).encode())
+    return digest.hexdigest()
+
+
+def resume(method: str, folder: str, out: str) -> None:
+    """One rank of the world that resumes (``--resume METHOD``, under torchrun)."""
+    import zload
+
+    engine, _ = _engine(os.path.join(folder, "config.json"), universal=method == "load_universal")
+    if method == "load_universal":
+        record = _timed(lambda: engine.load_checkpoint(os.path.join(folder, NATIVE))[0] and None)
+    else:
+        where = os.path.join(folder, NATIVE if method == "zload (native)" else ZLOAD)
+        record = _timed(lambda: zload.load_into(engine, where, optimizer=True).bytes_read)
+    _write(out, dict(record, digest=_digest(engine)))
+
+
+def _torchrun(world: int, *arguments: str) -> list[dict]:
+    """``python -m benchmarks.resume ARGUMENTS OUT`` in ``world`` ranks; each rank's record."""
+    out = tempfile.mkdtemp(prefix="zload-bench-resume-")
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+                   OMP_NUM_THREADS="1")
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                               str(world), "-m", "benchmarks.resume", *arguments, out], cwd=REPO, env=env,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            why = "a rank was killed (SIGKILL: out of memory?)" if "exitcode: -9" in done.stderr \
+                else f"exit status {done.returncode}"
+            raise RuntimeError(f"{' '.join(arguments[:2])} at {world} ranks: {why}\n{done.stderr[-4000:]}")
+        records = []
+        for rank in range(world):
+            with open(os.path.join(out, f"rank{rank}.json")) as f:
+                records.append(json.load(f))
+        return records
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def ensure_checkpoint(cache: str, weights: int) -> tuple[str, list[dict]]:
+    """The saved run of ``weights`` bytes of bf16 weights, written unless complete, and each
+    saving rank's timings."""
+    c = llama_config(weights)
+    folder = os.path.join(cache, f"resume-zero3-w{SAVE_WORLD}-h{c.hidden_size}-i{c.intermediate_size}"
+                                 f"-l{c.num_hidden_layers}-v{c.vocab_size}")
+    marker = os.path.join(folder, "zload-bench-complete")
+    if not os.path.exists(marker):
+        os.makedirs(cache, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".tmp-", dir=cache)
+        started = time.perf_counter()
+        c.to_json_file(os.path.join(tmp, "config.json"))
+        saves = _torchrun(SAVE_WORLD, "--build", tmp)
+        with open(os.path.join(tmp, "saves.json"), "w") as f:
+            json.dump(saves, f)
+        with open(os.path.join(tmp, "zload-bench-complete"), "w") as f:
+            f.write("written by benchmarks/resume.py\n")
+        os.rename(tmp, folder)
+        log(f"wrote {folder} in {time.perf_counter() - started:.1f} s")
+    with open(os.path.join(folder, "saves.json")) as f:
+        return folder, json.load(f)
+
+
+def _tag(folder: str) -> str:
+    with open(os.path.join(folder, NATIVE, "latest")) as f:
+        return os.path.join(folder, NATIVE, f.read().strip())
+
+
+def convert(tag: str) -> dict:
+    """``ds_to_universal`` of ``tag`` into ``<tag>_universal`` (``latest_universal`` beside it),
+    as one fresh command: its seconds and the peak RSS of its largest process."""
+    shutil.rmtree(tag + "_universal", ignore_errors=True)
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag,
+               "--output_folder", tag + "_universal", "--inject_missing_state"]
+    done = subprocess.run([sys.executable, "-m", "benchmarks.resume", "--measure", "--", *command],
+                          capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"ds_to_universal failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    seconds, rss = done.stdout.strip().splitlines()[-1].split()
+    return {"seconds": float(seconds), "peak_rss": int(rss)}
+
+
+def run_and_report(command: list[str]) -> int:
+    """``--measure``: run ``command``, then print its seconds and its largest process's peak RSS."""
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return done.returncode
+    print(f"{time.perf_counter() - started:.4f} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}")
+    return 0
+
+
+def _warm(folder: str) -> None:
+    """Read every file under ``folder`` once, so that the files a method reads (and no others: the
+    page cache may not hold all of them) are in the page cache."""
+    buffer = bytearray(16 << 20)
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb", buffering=0) as f:
+                while f.readinto(buffer):
+                    pass
+
+
+def _read_speed(folder: str) -> float:
+    """Bytes per second one process reads the checkpoint's files from the (warm) page cache."""
+    speeds = []
+    for sub, suffix in ((_tag(folder), ".pt"), (os.path.join(folder, ZLOAD), ".safetensors")):
+        warm_page_cache(sub, suffix)
+        again = warm_page_cache(sub, suffix)
+        speeds.append(again["bytes"] / again["seconds"])
+    return min(speeds)
+
+
+def _per_rank(records: list[dict], speed: float | None = None) -> dict:
+    """The slowest rank's seconds, and each rank's figures; with ``speed``, each rank's bytes read
+    (what zload reports) and their I/O floor."""
+    out = {"seconds": max(r["seconds"] for r in records), "seconds_ranks": [r["seconds"] for r in records],
+           "peak_rss_ranks": [r["peak_rss"] for r in records], "rss_before_ranks": [r["rss_before"] for r in records]}
+    if speed and records[0].get("result") is not None:
+        out["bytes_read_ranks"] = [r["result"] for r in records]
+        out["io_floor_seconds_ranks"] = [r["result"] / speed for r in records]
+    return out
+
+
+def measure_size(name: str, weights: int, args) -> dict:
+    folder, saves = ensure_checkpoint(args.cache, weights)
+    tag = _tag(folder)
+    speed = _read_speed(folder)
+    files = {NATIVE: sum(os.path.getsize(p) for p in checkpoint_files(tag, ".pt")),
+             ZLOAD: sum(os.path.getsize(p) for p in checkpoint_files(os.path.join(folder, ZLOAD), ""))}
+    converts: list[dict] = []
+    samples: dict[int, dict[str, list[dict]]] = {w: {m: [] for m in RESUMES} for w in args.worlds}
+    for run in range(args.runs):
+        warm_page_cache(tag, ".pt")
+        converts.append(convert(tag))  # the same for every W'
+        log(f"{name} run {run + 1} ds_to_universal: {converts[-1]['seconds']:.2f} s")
+        for world in args.worlds:
+            digests = {}
+            for method in RESUMES:
+                _warm({"load_universal": tag + "_universal", "zload (native)": tag}.get(method,
+                                                                                      os.path.join(folder, ZLOAD)))
+                try:
+                    records = _torchrun(world, "--resume", method, folder)
+                except RuntimeError as e:  # DeepSpeed's universal load can run out of memory
+                    samples[world][method].append({"failed": str(e).splitlines()[0]})
+                    log(f"{name} run {run + 1} W'={world} {method}: failed: {e}")
+                    continue
+                digests[method] = [r["digest"] for r in records]
+                samples[world][method].append(_per_rank(records, speed))
+                log(f"{name} run {run + 1} W'={world} {method}: {samples[world][method][-1]['seconds']:.2f} s")
+            if run == 0 and len({tuple(d) for d in digests.values()}) > 1:
+                raise AssertionError(f"W'={world}: the resumed optimizers differ between {list(digests)}")
+    return {"size": name, "weights_bytes": weights, "files_bytes": files, "read_bytes_per_second": speed,
+            "runs": args.runs, "saves": {m: _per_rank([s[m] for s in saves]) for m in saves[0]},
+            "ds_to_universal": _median(converts),
+            "resumes": {str(w): {m: _median(v) for m, v in by.items()} for w, by in samples.items()}}
+
+
+def _median(samples: list[dict]) -> dict:
+    """The run of median seconds (its per-rank figures with it); a failure if any run failed."""
+    failed = [s for s in samples if "failed" in s]
+    return failed[0] if failed else sorted(samples, key=lambda s: s["seconds"])[len(samples) // 2]
+
+
+def markdown(data: dict) -> str:
+    lines = [f"Elastic resume from a ZeRO-3 bf16 AdamW checkpoint saved at W={SAVE_WORLD}, {data['host']['cpu']} "
+             f"({data['host']['cpu_cores_usable']} CPUs usable), {data['date']}, zload source {data['zload_source']}",
+             "", "| weights (files: native; zload) | W' | step | seconds (slowest rank) | I/O floor s (slowest "
+             "rank) | peak RSS MB per rank | rise MB per rank |", "|---|---:|---|---:|---:|---|---|"]
+
+    def row(size, world, step, m):
+        if "failed" in m:
+            lines.append(f"| {size} | {world} | {step} | failed: {m['failed']} | | | |")
+            return
+        floor = max(m["io_floor_seconds_ranks"]) if "io_floor_seconds_ranks" in m else None
+        peaks = ", ".join(f"{p / MB:,.0f}" for p in m.get("peak_rss_ranks", [m.get("peak_rss", 0)]))
+        rises = ", ".join(f"{(p - b) / MB:,.0f}" for p, b in zip(m.get("peak_rss_ranks", []),
+                                                                   m.get("rss_before_ranks", [])))
+        lines.append(f"| {size} | {world} | {step} | {m['seconds']:.2f} | {'–' if floor is None else f'{floor:.2f}'} "
+                     f"| {peaks} | {rises or '–'} |")
+
+    for r in data["results"]:
+        size = (f"{r['size']} ({r['files_bytes'][NATIVE] / MB:,.0f} MB; {r['files_bytes'][ZLOAD] / MB:,.0f} MB)")
+        for step, m in r["saves"].items():
+            row(size, SAVE_WORLD, step, m)
+        row(size, "any", "ds_to_universal", r["ds_to_universal"])
+        for world, by in r["resumes"].items():
+            for step, m in by.items():
+                row(size, world, step, m)
+            if "failed" in by["load_universal"]:
+                continue
+            ds = r["ds_to_universal"]["seconds"] + by["load_universal"]["seconds"]
+            for method in ("zload (native)", "zload (zload.save)"):
+                if "failed" not in by[method]:
+                    lines.append(f"| {size} | {world} | {method} / (ds_to_universal + load_universal) | "
+                                 f"{by[method]['seconds'] / ds:.3f} | | | |")
+    lines += ["", f"Command: `{data['command']}`. Median run. Seconds: the call alone on each rank (the engine "
+              "built before it), the slowest rank; ds_to_universal: the whole command (one process and its "
+              "workers). I/O floor: the rank's bytes read at the speed one process reads the files from the page "
+              "cache. Peak RSS: the high-water mark after the step; rise: that minus the RSS before it. The first "
+              "run checks that every rank's masters, exp_avg, exp_avg_sq and steps are bit-identical across the "
+              "three resumes."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--measure"]:
+        return run_and_report(argv[2:] if argv[1:2] == ["--"] else argv[1:])
+    if argv[:1] == ["--build"]:
+        build(*argv[1:3])  # does not return
+    if argv[:1] == ["--resume"]:
+        resume(*argv[1:4])  # does not return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", nargs="+", type=parse_size_spec, default=[parse_size_spec("1GB")],
+                   help="bf16 weights of each model")
+    p.add_argument("--worlds", nargs="+", type=int, default=[1, 3], help="the world sizes to resume at")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--name", default="cpu")
+    p.add_argument("--cache", default=os.environ.get("ZLOAD_BENCH_CACHE", os.path.expanduser("~/.cache/zload-bench")))
+    args = p.parse_args(argv)
+    results = [measure_size(name, nbytes, args) for name, nbytes, _ in args.size]
+    save_results(args.out, f"resume-{args.name}", "python -m benchmarks.resume " + " ".join(argv), results, markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

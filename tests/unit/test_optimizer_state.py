@@ -1,0 +1,103 @@
+"""zload's optimizer files (docs/optimizer-format.md) read back, and refused where they are not
+what zload writes; the JSON values the metadata holds; the padding of a flat partition a resume
+zeroes. No process group: the worlds are in tests/distributed/test_resume_optimizer.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from zload.checkpoint.optimizer_state import NotPlain, plain, saved_optimizer
+from zload.errors import InvalidCheckpointError
+from zload.integrations.deepspeed import Flat, Slot
+from zload.loading.optimizer import _padding
+
+SHAPES = {"a.weight": (2, 3), "b.weight": (4,)}
+STATES = ["fp32", "exp_avg", "exp_avg_sq"]
+
+
+def write(folder, metadata_changes=None, tensors_changes=None, drop=()):
+    """An optimizer state as zload.save writes it: two groups of one parameter each, in one
+    shard; ``metadata_changes`` / ``tensors_changes`` replace what it would hold."""
+    tensors = {f"{n}.{s}": torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) + k
+               for n, shape in SHAPES.items() for k, s in enumerate(STATES)}
+    tensors.update(tensors_changes or {})
+    for name in drop:
+        del tensors[name]
+    save_file(tensors, folder / "optimizer-00001-of-00001.safetensors")
+    metadata = {"format": "zload-optimizer", "version": 1, "states": STATES,
+                "param_groups": [{"hyperparameters": {"lr": 0.1, "betas": [0.9, 0.99]}, "params": ["a.weight"],
+                                  "step": 3},
+                                 {"hyperparameters": {"lr": 0.1, "betas": [0.9, 0.99]}, "params": ["b.weight"],
+                                  "step": 3}],
+                "loss_scaler": {"cur_scale": 1.0, "other": 5}, "lr_scheduler": None,
+                "engine": {"global_steps": 3}, "world_size": 2, "weights": ["abc"]}
+    metadata.update(metadata_changes or {})
+    index = folder / "optimizer.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": metadata, "weight_map": dict.fromkeys(
+        tensors, "optimizer-00001-of-00001.safetensors")}))
+    return index
+
+
+def test_zloads_optimizer_files_are_read(tmp_path):
+    write(tmp_path)
+    index = saved_optimizer(str(tmp_path), "here")
+    try:
+        assert list(index.states) == STATES
+        assert {n: e.shape for n, e in index.states["exp_avg"].items()} == SHAPES
+        assert [(g.members, g.step, g.hyperparameters["betas"]) for g in index.groups] == [
+            (("a.weight",), 3, [0.9, 0.99]), (("b.weight",), 3, [0.9, 0.99])]
+        assert index.loss_scaler == {"cur_scale": 1.0}  # what a loss scaler learns, nothing else
+        assert index.counters == {"global_steps": 3} and index.weights == ("abc",)
+    finally:
+        index.close()
+
+
+def test_a_folder_without_optimizer_files_has_no_optimizer_state(tmp_path):
+    assert saved_optimizer(str(tmp_path), "here") is None
+
+
+HOSTILE = {
+    "another format": ({"format": "torch"}, {}, (), "format"),
+    "a later version": ({"version": 2}, {}, (), "format version 2"),
+    "states without the masters first": ({"states": ["exp_avg", "fp32"]}, {}, (), "'states'"),
+    "a state name with a dot": ({"states": ["fp32", "exp.avg"]}, {}, (), "'states'"),
+    "a group that is no mapping": ({"param_groups": [["a.weight"]]}, {}, (), "param_groups[0]"),
+    "a parameter in two groups": ({"param_groups": [{"hyperparameters": {}, "params": ["a.weight", "b.weight"]},
+                                                    {"hyperparameters": {}, "params": ["b.weight"]}]},
+                                  {}, (), "in more than one group"),
+    "a state missing": ({}, {}, ("b.weight.exp_avg_sq",), "no 'exp_avg_sq' state for b.weight"),
+    "a tensor of no listed parameter": ({}, {"c.weight.fp32": torch.zeros(1)}, (), "'c.weight.fp32'"),
+    "a state of another shape": ({}, {"a.weight.exp_avg": torch.zeros(3, 2)}, (), "not of its parameter's shape"),
+    "weights digests that are no list": ({"weights": "abc"}, {}, (), "'weights'"),
+    "a scheduler that is no mapping": ({"lr_scheduler": [1]}, {}, (), "'lr_scheduler'"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_optimizer_files_zload_did_not_write_so_are_refused(tmp_path, case):
+    metadata, tensors, drop, named = HOSTILE[case]
+    index = write(tmp_path, metadata, tensors, drop)
+    with pytest.raises(InvalidCheckpointError) as caught:
+        saved_optimizer(str(tmp_path), "here")
+    assert str(index) in str(caught.value) and named in str(caught.value), str(caught.value)
+
+
+def test_plain_values_are_json_and_nothing_else():
+    number = lambda value, what: value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else None  # noqa: E731
+    assert plain({"betas": (0.9, 0.99), 3: [True, None, "x"], "lr": torch.tensor(0.5)}, number) == {
+        "betas": [0.9, 0.99], "3": [True, None, "x"], "lr": 0.5}
+    for value in (float("nan"), object(), torch.zeros(2), {(1, 2): 0}):
+        with pytest.raises(NotPlain):
+            plain({"x": value}, number)
+
+
+def test_the_padding_of_a_flat_partition_is_what_no_slot_holds():
+    """ZeRO-1/2 pad each group to an alignment, ZeRO-3 each parameter's partition: a resume zeroes
+    those elements, as DeepSpeed's own flat buffers hold zeros there."""
+    flat = Flat(0, torch.empty(12), (Slot(None, 0, 3, 0), Slot(None, 5, 4, 5)))
+    assert _padding(flat) == [(3, 2), (9, 3)]
+    assert _padding(Flat(0, torch.empty(4), (Slot(None, 0, 4, 0),))) == []
