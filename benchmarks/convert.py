@@ -117,7 +117,8 @@ def measure(command: list[str]) -> tuple[float, int, float | None]:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     *printed, last = done.stdout.strip().splitlines()
-    inner = [float(m.group(1)) for line in printed if (m := re.search(r"zload: saved .* in ([0-9.]+) s$", line))]
+    saved = re.compile(r"^(?:zload: )?saved .* in ([0-9.]+) s$")  # the SaveReport line (older ones began "zload: ")
+    inner = [float(m.group(1)) for line in printed if (m := saved.search(line))]
     seconds, rss = last.split()
     return float(seconds), int(rss), max(inner, default=None)
 

@@ -3,10 +3,10 @@ error or every rank loads the same validated bytes; no rank waits forever, no si
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
-import sys
 from typing import NamedTuple
 
 import pytest
@@ -74,7 +74,7 @@ def test_deep_nesting_in_one_ranks_copy_fails_every_rank(tmp_path):
 
 def _load_failing_oddly_on(rank, path):
     """Indexing raises something no code expects, on one rank only."""
-    checkpoint = sys.modules["zload.checkpoint.views"]
+    checkpoint = importlib.import_module("zload.checkpoint.views")
     real = checkpoint.open_checkpoint
 
     def odd(*args, **kwargs):
@@ -115,7 +115,7 @@ def test_a_fifo_fails_every_rank_without_blocking(tmp_path, fifo):
 
 def _load_while_rank0_changes(folder, how, reference):
     """Rank 0 changes a shard just before it starts reading (after every rank planned)."""
-    load = sys.modules["zload.loading.load_into"]
+    load = importlib.import_module("zload.loading.load_into")
     real = load.execute
     shard = os.path.join(folder, SHARD)
     other = os.path.join(os.path.dirname(folder), "other", SHARD)
@@ -252,8 +252,8 @@ def _load_while_a_rank_dies(folder, dying, where):
             os._exit(9)
 
         module, name = {"indexing": ("zload.loading.agree", "local_view"), "reading": ("zload.loading.load_into", "execute")}[where]
-        getattr(sys.modules[module], name)  # AttributeError if the name moved: the patch below must take
-        setattr(sys.modules[module], name, die)
+        getattr(importlib.import_module(module), name)  # AttributeError if the name moved: the patch below must take
+        setattr(importlib.import_module(module), name, die)
     try:
         zload.load_into(model, folder)
     except zload.ZloadError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -61,7 +62,7 @@ def test_a_whole_copy_on_every_node(tmp_path):
 
 def _load_while_the_reader_fails(node_dirs):
     """Rank 0 serves the others; its second batch read fails (a disk error mid-transfer)."""
-    reader = sys.modules["zload.loading.execute"].RangeReader
+    reader = importlib.import_module("zload.loading.execute").RangeReader
     real, calls = reader.read, []
 
     def failing_on_the_second_batch(self, ranges):
@@ -170,7 +171,7 @@ def test_conversion_slow_path_reads_on_the_node_with_the_files(tmp_path):
 def _stages_of_a_transposed_load(node_dirs, reference_folder):
     """``_load_transposed_on_node``, recording the stages the load goes through (the engine's update
     is staged by the DeepSpeed integration)."""
-    modules = [sys.modules["zload.loading.load_into"], sys.modules["zload.integrations.deepspeed"]]
+    modules = [importlib.import_module(f"zload.{name}") for name in ("loading.load_into", "integrations.deepspeed")]
     real, entered = modules[0].stage, []
 
     def recording(what, leaves):

@@ -22,6 +22,7 @@ CRASH_AT (the names are those of ``zload/save_plan.py``, ``zload/writer.py`` and
   raise-digest  ``data_digest`` raises OSError(EDQUOT) (rank 0, recording the digests)
 """
 
+import importlib
 import errno
 import json
 import os
@@ -72,7 +73,7 @@ def _fail(error: int, message: str):
 def _owner(where: str):
     """``"zload.saving.folder:SaveFolder"`` -> that class; ``"zload.saving.writer"`` -> that module."""
     module, _, name = where.partition(":")
-    owner = sys.modules[module] if module != "dist" else dist
+    owner = importlib.import_module(module) if module != "dist" else dist
     return getattr(owner, name) if name else owner
 
 
