@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import InvalidCheckpointError
 from ..report import brief, shortened
 from .files import FileTable
-from .index import CheckpointIndex, TensorEntry, index_from_weight_map, read_json_file
+from .index import CheckpointIndex, TensorEntry, index_from_weight_map, read_json
 from .native import NativeLayout, native_entries
 
 MASTER = "fp32"  # the state name of the fp32 master weights (as ds_to_universal names it)
@@ -209,10 +209,10 @@ def saved_optimizer(folder: str, source: str) -> OptimizerIndex | None:
     path = os.path.join(folder, OPTIMIZER_INDEX)
     if not os.path.lexists(path):
         return None
-    document = read_json_file(path)
     table = FileTable()
     try:
         tensors = index_from_weight_map(path, table, missing_ok=False)
+        document, _ = read_json(table.files[OPTIMIZER_INDEX])  # the descriptor the weight map came from
         return _saved(path, source, document, tensors, table)
     except BaseException:
         table.close()
