@@ -22,10 +22,13 @@ may not all fit in the page cache) read just before:
 
 Per rank, each step apart: the seconds of the call alone (not the engine's build), the RSS
 before it and its high-water mark after (``ru_maxrss``), and, for zload, the bytes it read; its
-I/O floor is those bytes at the speed one process reads the checkpoint's files from the page
-cache. The first run checks that every rank's fp32 masters, exp_avg, exp_avg_sq and step counts
-are bit-identical between DeepSpeed's resume and zload's two. A resume that fails (DeepSpeed's
-universal load can run out of memory) is recorded as failed. Results: ``OUT/resume-<name>.{json,md}``.
+I/O floors are those bytes at the speed one process reads the checkpoint's files from the page
+cache into a reused buffer, and the same with the bytes of the Adam states the engine holds no
+memory for yet (an engine that has not stepped: any resume brings them into being) at the speed
+it reads them into newly allocated memory. The first run checks that every rank's fp32 masters,
+exp_avg, exp_avg_sq and step counts are bit-identical between DeepSpeed's resume and zload's
+two. A resume that fails (DeepSpeed's universal load can run out of memory) is recorded as
+failed. Results: ``OUT/resume-<name>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -138,8 +141,18 @@ def resume(method: str, folder: str, out: str) -> None:
         record = _timed(lambda: engine.load_checkpoint(os.path.join(folder, NATIVE))[0] and None)
     else:
         where = os.path.join(folder, NATIVE if method == "zload (native)" else ZLOAD)
-        record = _timed(lambda: zload.load_into(engine, where, optimizer=True).bytes_read)
+        new_state = _new_state_bytes(engine)
+        record = dict(_timed(lambda: zload.load_into(engine, where, optimizer=True).bytes_read),
+                      new_state_bytes=new_state)
     _write(out, dict(record, digest=_digest(engine)))
+
+
+def _new_state_bytes(engine) -> int:
+    """The bytes of Adam's two states that the engine's optimizer holds no memory for yet (before
+    its first step): a resume brings them into being."""
+    optimizer = engine.optimizer
+    return sum(2 * flat.numel() * flat.element_size() for flat in optimizer.fp32_partitioned_groups_flat
+               if "exp_avg" not in optimizer.optimizer.state.get(flat, {}))
 
 
 def _torchrun(world: int, *arguments: str) -> list[dict]:
@@ -239,21 +252,48 @@ def _read_speed(folder: str) -> float:
     return min(speeds)
 
 
-def _per_rank(records: list[dict], speed: float | None = None) -> dict:
-    """The slowest rank's seconds, and each rank's figures; with ``speed``, each rank's bytes read
-    (what zload reports) and their I/O floor."""
+def _fresh_read_speed(folder: str) -> float:
+    """Bytes per second one process reads zload's optimizer files from the (warm) page cache into
+    memory it has just allocated, each file into its own new buffer: what reading into an
+    optimizer state that does not exist yet costs, its pages faulted in as they are written."""
+    import torch
+
+    files = checkpoint_files(os.path.join(folder, ZLOAD), ".safetensors")
+    warm_page_cache(os.path.join(folder, ZLOAD))
+    started, total = time.perf_counter(), 0
+    for path in files:
+        size = os.path.getsize(path)
+        memory = memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
+        with open(path, "rb", buffering=0) as f:
+            position = 0
+            while read := f.readinto(memory[position:position + (16 << 20)]):
+                position += read
+        total += position
+        del memory
+    return total / (time.perf_counter() - started)
+
+
+def _per_rank(records: list[dict], speeds: tuple[float, float] | None = None) -> dict:
+    """The slowest rank's seconds, and each rank's figures; with ``speeds`` (into memory that
+    exists, into new memory), each rank's bytes read (what zload reports) and their I/O floors:
+    every byte at the first speed, and the bytes of the states the engine had no memory for yet
+    at the second."""
     out = {"seconds": max(r["seconds"] for r in records), "seconds_ranks": [r["seconds"] for r in records],
            "peak_rss_ranks": [r["peak_rss"] for r in records], "rss_before_ranks": [r["rss_before"] for r in records]}
-    if speed and records[0].get("result") is not None:
+    if speeds and records[0].get("result") is not None:
+        existing, fresh = speeds
         out["bytes_read_ranks"] = [r["result"] for r in records]
-        out["io_floor_seconds_ranks"] = [r["result"] / speed for r in records]
+        out["new_state_bytes_ranks"] = [r["new_state_bytes"] for r in records]
+        out["io_floor_seconds_ranks"] = [r["result"] / existing for r in records]
+        out["io_floor_new_memory_seconds_ranks"] = [(r["result"] - r["new_state_bytes"]) / existing
+                                                    + r["new_state_bytes"] / fresh for r in records]
     return out
 
 
 def measure_size(name: str, weights: int, args) -> dict:
     folder, saves = ensure_checkpoint(args.cache, weights)
     tag = _tag(folder)
-    speed = _read_speed(folder)
+    speeds = _read_speed(folder), _fresh_read_speed(folder)
     files = {NATIVE: sum(os.path.getsize(p) for p in checkpoint_files(tag, ".pt")),
              ZLOAD: sum(os.path.getsize(p) for p in checkpoint_files(os.path.join(folder, ZLOAD), ""))}
     converts: list[dict] = []
@@ -274,11 +314,12 @@ def measure_size(name: str, weights: int, args) -> dict:
                     log(f"{name} run {run + 1} W'={world} {method}: failed: {e}")
                     continue
                 digests[method] = [r["digest"] for r in records]
-                samples[world][method].append(_per_rank(records, speed))
+                samples[world][method].append(_per_rank(records, speeds))
                 log(f"{name} run {run + 1} W'={world} {method}: {samples[world][method][-1]['seconds']:.2f} s")
             if run == 0 and len({tuple(d) for d in digests.values()}) > 1:
                 raise AssertionError(f"W'={world}: the resumed optimizers differ between {list(digests)}")
-    return {"size": name, "weights_bytes": weights, "files_bytes": files, "read_bytes_per_second": speed,
+    return {"size": name, "weights_bytes": weights, "files_bytes": files, "read_bytes_per_second": speeds[0],
+            "read_into_new_memory_bytes_per_second": speeds[1],
             "runs": args.runs, "saves": {m: _per_rank([s[m] for s in saves]) for m in saves[0]},
             "ds_to_universal": _median(converts),
             "resumes": {str(w): {m: _median(v) for m, v in by.items()} for w, by in samples.items()}}
@@ -293,18 +334,23 @@ def _median(samples: list[dict]) -> dict:
 def markdown(data: dict) -> str:
     lines = [f"Elastic resume from a ZeRO-3 bf16 AdamW checkpoint saved at W={SAVE_WORLD}, {data['host']['cpu']} "
              f"({data['host']['cpu_cores_usable']} CPUs usable), {data['date']}, zload source {data['zload_source']}",
-             "", "| weights (files: native; zload) | W' | step | seconds (slowest rank) | I/O floor s (slowest "
-             "rank) | peak RSS MB per rank | rise MB per rank |", "|---|---:|---|---:|---:|---|---|"]
+             "", "| weights (files: native; zload) | W' | step | seconds (slowest rank) | I/O floor s: into "
+             "existing / new memory (slowest rank) | peak RSS MB per rank | rise MB per rank |",
+             "|---|---:|---|---:|---:|---|---|"]
 
     def row(size, world, step, m):
         if "failed" in m:
             lines.append(f"| {size} | {world} | {step} | failed: {m['failed']} | | | |")
             return
-        floor = max(m["io_floor_seconds_ranks"]) if "io_floor_seconds_ranks" in m else None
+        floors = "–"
+        if "io_floor_seconds_ranks" in m:
+            floors = (f"{max(m['io_floor_seconds_ranks']):.2f} / {max(m['io_floor_new_memory_seconds_ranks']):.2f} "
+                      f"({m['seconds'] / max(m['io_floor_seconds_ranks']):.1f}x / "
+                      f"{m['seconds'] / max(m['io_floor_new_memory_seconds_ranks']):.2f}x)")
         peaks = ", ".join(f"{p / MB:,.0f}" for p in m.get("peak_rss_ranks", [m.get("peak_rss", 0)]))
         rises = ", ".join(f"{(p - b) / MB:,.0f}" for p, b in zip(m.get("peak_rss_ranks", []),
                                                                    m.get("rss_before_ranks", [])))
-        lines.append(f"| {size} | {world} | {step} | {m['seconds']:.2f} | {'–' if floor is None else f'{floor:.2f}'} "
+        lines.append(f"| {size} | {world} | {step} | {m['seconds']:.2f} | {floors} "
                      f"| {peaks} | {rises or '–'} |")
 
     for r in data["results"]:
@@ -324,10 +370,12 @@ def markdown(data: dict) -> str:
                                  f"{by[method]['seconds'] / ds:.3f} | | | |")
     lines += ["", f"Command: `{data['command']}`. Median run. Seconds: the call alone on each rank (the engine "
               "built before it), the slowest rank; ds_to_universal: the whole command (one process and its "
-              "workers). I/O floor: the rank's bytes read at the speed one process reads the files from the page "
-              "cache. Peak RSS: the high-water mark after the step; rise: that minus the RSS before it. The first "
-              "run checks that every rank's masters, exp_avg, exp_avg_sq and steps are bit-identical across the "
-              "three resumes."]
+              "workers). I/O floors: the rank's bytes read at the speed one process reads the files from the page "
+              "cache into one reused buffer, and the same with the bytes of the Adam states the engine has no "
+              "memory for yet (it has taken no step) at the speed one process reads the files into new memory "
+              "(its pages faulted in as it goes; in brackets, the step's time over each floor). Peak RSS: the "
+              "high-water mark after the step; rise: that minus the RSS before it. The first run checks that "
+              "every rank's masters, exp_avg, exp_avg_sq and steps are bit-identical across the three resumes."]
     return "\n".join(lines) + "\n"
 
 

@@ -169,6 +169,10 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
     assert list(resumed) == ["load_universal", "zload (native)", "zload (zload.save)"]
     assert all(m["seconds"] > 0 for m in [*resumed.values(), result["ds_to_universal"]])
     assert resumed["zload (native)"]["bytes_read_ranks"] == resumed["zload (zload.save)"]["bytes_read_ranks"]
+    for method in ("zload (native)", "zload (zload.save)"):  # an engine that has not stepped: 2 of 3 states new
+        m = resumed[method]
+        assert all(0.6 < new / read < 0.7 for new, read in zip(m["new_state_bytes_ranks"], m["bytes_read_ranks"]))
+        assert all(new > old for new, old in zip(m["io_floor_new_memory_seconds_ranks"], m["io_floor_seconds_ranks"]))
     table = (tmp_path / "resume-smoke.md").read_text()
     assert all(f"| {step} |" in table for step in [*resumed, "ds_to_universal", "zload.save"])
 
