@@ -32,13 +32,11 @@ def _trainer(out: str, steps: int, lora: bool, on_begin=None):
     it) under ZeRO-3, saving a checkpoint every ``STEPS`` steps, DeepSpeed's included;
     ``on_begin(trainer)`` runs as training begins (after a resume)."""
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from tests.support.models import tiny_llama_config
 
     torch.manual_seed(0)
-    from transformers import LlamaForCausalLM
-
     model = LlamaForCausalLM(tiny_llama_config(tie=True))
     if lora:
         from peft import LoraConfig, get_peft_model
