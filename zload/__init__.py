@@ -25,13 +25,14 @@ _MODULES = {
     "load_into": ".loading.load_into", "save": ".saving.save", "convert": ".saving.convert",
     "init": ".model.init", "from_pretrained": ".pretrained", "open_checkpoint": ".checkpoint.open",
     "CheckpointIndex": ".checkpoint.index", "KeyMap": ".model.names", "LoadReport": ".report",
-    "SaveReport": ".report", **dict.fromkeys(_ERRORS, ".errors"),
+    "SaveReport": ".report", "trainer_resume": ".trainer", **dict.fromkeys(_ERRORS, ".errors"),
 }
 
-__all__ = ["load_into", "save", "convert", "init", "from_pretrained", "open_checkpoint", "CheckpointIndex", "KeyMap",
-           "LoadReport", "SaveReport", "ZloadError", "CheckpointError", "CheckpointNotFoundError",
-           "InvalidCheckpointError", "PlanError", "ArgumentValueError", "ArgumentTypeError", "PeerLostError",
-           "UnsupportedEnvironmentError", "UnsupportedModelError", "WriteError", "ZloadWarning", "__version__"]
+__all__ = ["load_into", "save", "convert", "init", "from_pretrained", "trainer_resume", "open_checkpoint",
+           "CheckpointIndex", "KeyMap", "LoadReport", "SaveReport", "ZloadError", "CheckpointError",
+           "CheckpointNotFoundError", "InvalidCheckpointError", "PlanError", "ArgumentValueError",
+           "ArgumentTypeError", "PeerLostError", "UnsupportedEnvironmentError", "UnsupportedModelError", "WriteError",
+           "ZloadWarning", "__version__"]
 
 
 def __getattr__(name: str):
@@ -71,3 +72,4 @@ if TYPE_CHECKING:
     from .report import LoadReport, SaveReport
     from .saving.convert import convert
     from .saving.save import save
+    from .trainer import trainer_resume

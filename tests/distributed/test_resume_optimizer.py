@@ -54,7 +54,8 @@ def test_resume_matches_deepspeeds_universal_resume(saved, world, resumed_world,
 
 
 @pytest.mark.parametrize("stage, dtype, offload", [pytest.param(2, "fp16", False, id="zero2-fp16"),
-                                                   pytest.param(3, "bf16", True, id="zero3-offload")])
+                                                   pytest.param(3, "bf16", True, id="zero3-offload"),
+                                                   pytest.param(2, "bf16", True, id="zero2-offload")])
 def test_resume_matches_deepspeeds_universal_resume_fp16_and_offload(saved, stage, dtype, offload):
     groups = "one" if stage == 3 else "decay"
     folder, _ = saved(2, stage, dtype, offload, groups)
@@ -219,6 +220,54 @@ def _save_weights_body(out):
     import zload
 
     zload.save(worlds.engine(3, "bf16", False, seed=1), out)
+
+
+def _odd_state_body(folder, odd, call):
+    """Resume from ``folder`` (``call="load"``), or save into it, with an engine whose optimizer
+    keeps, on rank 0, a state of its first flat partition that is not Adam's (``odd``); (error
+    class, message) and whether the engine was left as it was."""
+    import torch.distributed as dist
+
+    import zload
+    from zload.errors import ZloadError
+
+    made = worlds.engine(3, "bf16", False, seed=1)
+    worlds.train(made, 1, 0)
+    before = worlds.held_now(made)
+    state, flat = made.optimizer.optimizer.state, worlds.optimizer_flats(made)[0]
+    kept = state[flat]
+    if dist.get_rank() == 0:
+        # a list of its items; an Adafactor-like factored second moment (one value per row)
+        state[flat] = list(kept.items()) if odd == "list" else {**kept, "exp_avg_sq": kept["exp_avg_sq"][:3].clone()}
+    try:
+        if call == "load":
+            zload.load_into(made, folder, optimizer=True)
+        else:
+            zload.save(made, folder, optimizer=True)
+        refused = None
+    except ZloadError as e:
+        refused = type(e).__name__, str(e)
+    state[flat] = kept
+    return refused, worlds.same_held(worlds.held_now(made), before)
+
+
+@pytest.mark.parametrize("odd, held, call", [("list", "is a list, not a dict", "load"),
+                                             ("factored", "holds 'exp_avg_sq', a torch.float32 tensor of shape [3]",
+                                              "load"),
+                                             ("factored", "holds 'exp_avg_sq', a torch.float32 tensor of shape [3]",
+                                              "save")])
+def test_an_optimizer_state_that_is_not_adams_is_refused(saved, tmp_path, odd, held, call):
+    """On every rank, before anything is written (into the engine, or a folder), naming the
+    partition and what its state holds."""
+    folder, _ = saved(2, 3, groups="decay")
+    where = folder / worlds.NATIVE if call == "load" else tmp_path / "out"
+    results = run_world(2, _odd_state_body, str(where), odd, call)
+    assert call == "load" or not where.exists()
+    assert all(unchanged for _, unchanged in results), "the engine was changed"
+    assert len({refused for refused, _ in results}) == 1, results  # the same error on every rank
+    kind, message = results[0][0]
+    assert kind == "UnsupportedModelError", message
+    assert f"its flat fp32 partition 0 (parameter group 0) {held}" in message and "rank 0" in message, message
 
 
 def test_the_module_is_refused(saved):

@@ -17,7 +17,7 @@ LAYERS = (  # lowest first
     ("zload.model",),
     ("zload.loading",),
     ("zload.saving",),
-    ("zload", "zload.__main__", "zload.cli", "zload.pretrained"),
+    ("zload", "zload.__main__", "zload.cli", "zload.pretrained", "zload.trainer"),
 )
 
 

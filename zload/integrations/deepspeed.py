@@ -506,9 +506,23 @@ def hyperparameters(engine) -> list[dict]:
 
 def flat_states(engine, flats: list[Flat]) -> list[dict]:
     """The optimizer's state of each of ``flats`` (its dict: Adam's ``exp_avg``, ``exp_avg_sq``,
-    ``step``...; empty before its first step)."""
-    state = _zero_optimizer(engine).optimizer.state
-    return [state[flat.master] if flat.master in state else {} for flat in flats]
+    ``step``...; empty before its first step). Raises ``UnsupportedModelError`` for a state zload
+    cannot read or write element by element: not a dict, or holding a tensor not laid out like the
+    flat's masters (a factored or quantised state: an optimizer that is not Adam-like)."""
+    optimizer = _zero_optimizer(engine).optimizer
+    states = [optimizer.state[flat.master] if flat.master in optimizer.state else {} for flat in flats]
+    for k, (flat, state) in enumerate(zip(flats, states)):
+        odd = f"is a {type(state).__name__}, not a dict" if not isinstance(state, dict) else next(
+            (f"holds {key!r}, a {value.dtype} tensor of shape {list(value.shape)}" for key, value in state.items()
+             if isinstance(value, torch.Tensor) and value.dim() > 0
+             and (value.shape, value.dtype) != (flat.master.shape, flat.master.dtype)), None)
+        if odd:
+            raise UnsupportedModelError(
+                f"the state that the engine's optimizer ({type(optimizer).__name__}) keeps of its flat fp32 partition "
+                f"{k} (parameter group {flat.group}) {odd}, where zload expects a dict of tensors laid out like the "
+                f"partition's masters ({flat.master.dtype}, shape {list(flat.master.shape)}), as Adam's: zload "
+                "saves and restores the optimizer states of Adam-like optimizers only")
+    return states
 
 
 def set_optimizer_state(engine, flats: list[Flat], states: list[dict], groups: list[dict]) -> None:

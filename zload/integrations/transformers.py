@@ -6,21 +6,25 @@ rows becomes byte ranges (``Piece``s) of its inputs; any other is run on one ran
 transformers is imported only inside these functions, once a transformers model is being loaded.
 
 ``from_pretrained`` is transformers' call of that name for ZeRO-3: config, ``zload.init``,
-``zload.load_into`` in one call.
+``zload.load_into`` in one call. ``trainer_deepspeed_resume`` puts another resume in place of the
+Trainer's DeepSpeed one (``zload.trainer_resume``).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
+import threading
 from collections.abc import Callable, Collection
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from math import prod
 from unittest import mock
 
 from ..checkpoint.dtypes import TORCH_DTYPES
 from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.pieces import Piece, Source
+from ..errors import UnsupportedEnvironmentError
 from .transformers_registry import conversion_registry
 
 
@@ -222,3 +226,59 @@ def initialize_missing(model, params: Collection) -> None:
         if not any(id(p) in wanted for p in near):
             module._is_hf_initialized = True
     model.initialize_weights()
+
+
+# transformers' Trainer resumes a DeepSpeed engine through this function of ``transformers.trainer``
+# (``deepspeed_load_checkpoint(engine, path, load_module_strict=...)``: DeepSpeed's
+# ``engine.load_checkpoint``); ``trainer_deepspeed_resume`` replaces it while any of its contexts
+# is open, so that contexts nested or in several threads never leave another's replacement behind.
+_TRAINER_HOOK = "deepspeed_load_checkpoint"
+_hook_lock = threading.Lock()
+_hook = {"open": 0, "original": None}  # the contexts open, and the Trainer's own function meanwhile
+
+
+def _trainer_hook(trainer):
+    """The Trainer's DeepSpeed resume in ``transformers.trainer``, refused where transformers has
+    none of the shape zload replaces (tested with transformers 5.25)."""
+    import transformers
+
+    hook = getattr(trainer, _TRAINER_HOOK, None)
+    try:
+        shape = list(inspect.signature(hook).parameters)[:3] if callable(hook) else None
+    except (TypeError, ValueError):
+        shape = None
+    if shape is None or len(shape) < 3 or shape[2] != "load_module_strict":
+        raise UnsupportedEnvironmentError(
+            f"transformers {transformers.__version__}'s Trainer has no {_TRAINER_HOOK}(engine, path, "
+            "load_module_strict) to resume a DeepSpeed engine through, which zload.trainer_resume replaces "
+            "(tested with transformers 5.25): resume with zload.load_into(engine, path, optimizer=True) "
+            "after the Trainer built its engine, or install a transformers whose Trainer has it")
+    return hook
+
+
+@contextmanager
+def trainer_deepspeed_resume(resume):
+    """While open, transformers' Trainer resumes its DeepSpeed engine from a checkpoint with
+    ``resume(engine, path, strict)`` (``strict``: the Trainer's ``load_module_strict``, False for
+    a PEFT model) in place of DeepSpeed's ``engine.load_checkpoint``; everything else the Trainer
+    restores (``trainer_state.json``, RNG states, its own LR scheduler) it still restores itself.
+    The Trainer's own function is back once the last such context closes, whatever raised."""
+    import transformers.trainer as trainer
+
+    _trainer_hook(trainer)
+
+    def hook(deepspeed_engine, checkpoint_path, load_module_strict=True):
+        resume(deepspeed_engine, checkpoint_path, load_module_strict)
+
+    with _hook_lock:
+        if not _hook["open"]:
+            _hook["original"] = getattr(trainer, _TRAINER_HOOK)
+            setattr(trainer, _TRAINER_HOOK, hook)
+        _hook["open"] += 1
+    try:
+        yield
+    finally:
+        with _hook_lock:
+            _hook["open"] -= 1
+            if not _hook["open"]:
+                setattr(trainer, _TRAINER_HOOK, _hook["original"])
