@@ -207,6 +207,68 @@ def test_an_optimizer_index_of_another_format_version_is_refused(saved, tmp_path
     assert str(index) in message and "format version 2" in message, message
 
 
+def _each_refused_body(folders):
+    """Resume from each of ``folders`` in turn into one engine; per folder (error class, message,
+    whether the engine was left as it was)."""
+    import zload
+    from zload.errors import ZloadError
+
+    made = worlds.engine(3, "bf16", False, seed=1)
+    results = []
+    for folder in folders:
+        before = worlds.held_now(made)
+        try:
+            zload.load_into(made, folder, optimizer=True)
+            results.append(None)
+        except ZloadError as e:
+            results.append((type(e).__name__, str(e), worlds.same_held(worlds.held_now(made), before)))
+    return results
+
+
+# values a hostile index would have set on the live optimizer, loss scaler and LR scheduler as they
+# are (what training would then have done with them: a TypeError at the next step, Adam with one
+# beta or a negative step count): (change, error class, what the message names)
+UNSET = {
+    "an lr that is a string": (lambda m: m["param_groups"][0]["hyperparameters"].update(lr="0.01"),
+                               "PlanError", "'lr' is '0.01', the engine's "),
+    "betas that are strings": (lambda m: m["param_groups"][1]["hyperparameters"].update(betas=["a", "b"]),
+                               "PlanError", "'betas'"),
+    "one beta": (lambda m: m["param_groups"][0]["hyperparameters"].update(betas=[0.9]), "PlanError", "'betas'"),
+    "a weight decay that is null": (lambda m: m["param_groups"][0]["hyperparameters"].update(weight_decay=None),
+                                    "PlanError", "'weight_decay'"),
+    "a scheduler iteration that is a string": (lambda m: m["lr_scheduler"].update(last_batch_iteration="2"),
+                                               "PlanError", "the LR scheduler's state"),
+    "a scheduler state of another scheduler": (lambda m: m.update(lr_scheduler={"base_lrs": [0.1, 0.1]}),
+                                               "PlanError", "the LR scheduler's state"),
+    "a negative step": (lambda m: m["param_groups"][1].update(step=-2), "InvalidCheckpointError", "'step'"),
+    "a loss scale that is a list": (lambda m: m["loss_scaler"].update(cur_scale=[1.0]), "InvalidCheckpointError",
+                                    "'cur_scale'"),
+}
+
+
+def test_optimizer_state_that_cannot_be_set_on_the_engine_is_refused(saved, tmp_path):
+    """zload's optimizer index with values that are no count or of other types than the engine's
+    (hyperparameters, loss scale, LR scheduler state): refused on every rank before anything is
+    written, naming the index and the value."""
+    import json
+    import shutil
+
+    folder, _ = saved(2, 3, groups="decay")
+    indexes = []
+    for k, (change, *_) in enumerate(UNSET.values()):
+        shutil.copytree(folder / worlds.ZLOAD, tmp_path / str(k))
+        index = tmp_path / str(k) / "optimizer.safetensors.index.json"
+        document = json.loads(index.read_text())
+        change(document["metadata"])
+        index.write_text(json.dumps(document))
+        indexes.append(index)
+    results = run_world(2, _each_refused_body, [str(i.parent) for i in indexes])
+    for (case, (_, kind, named)), index, ours, theirs in zip(UNSET.items(), indexes, *results):
+        assert ours is not None and ours[:2] == theirs[:2], (case, ours, theirs)
+        assert ours[0] == kind and ours[2], (case, ours)
+        assert str(index) in ours[1] and named in ours[1], (case, ours[1])
+
+
 def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
     run_world(2, _save_weights_body, str(tmp_path / "weights"))
     kind, message = _refusals(tmp_path / "weights")

@@ -77,6 +77,27 @@ HOSTILE = {
 }
 
 
+def _step(step):
+    return {"param_groups": [{"hyperparameters": {"lr": 0.1}, "params": ["a.weight"], "step": 3},
+                             {"hyperparameters": {"lr": 0.1}, "params": ["b.weight"], "step": step}]}
+
+
+# values set on the live engine as they are: a step Adam's bias correction divides by, a loss
+# scale the gradients are divided by, the engine's counters
+HOSTILE.update({
+    "a step that is a string": (_step("3"), {}, (), "param_groups[1]"),
+    "a negative step": (_step(-1), {}, (), "param_groups[1]['step'] is -1"),
+    "a step that is true": (_step(True), {}, (), "param_groups[1]['step'] is True"),
+    "a step past float's whole numbers": (_step(10 ** 400), {}, (), "param_groups[1]['step']"),
+    "a fractional step": (_step(2.5), {}, (), "param_groups[1]['step'] is 2.5"),
+    "a loss scale that is a string": ({"loss_scaler": {"cur_scale": "1"}}, {}, (), "'cur_scale'"),
+    "a loss scale of zero": ({"loss_scaler": {"cur_scale": 0.0}}, {}, (), "'cur_scale'"),
+    "a loss scale iteration that is a list": ({"loss_scaler": {"cur_iter": [1]}}, {}, (), "'cur_iter'"),
+    "global steps that are a string": ({"engine": {"global_steps": "3"}}, {}, (), "'global_steps'"),
+    "negative global samples": ({"engine": {"global_samples": -4}}, {}, (), "'global_samples'"),
+})
+
+
 @pytest.mark.parametrize("case", HOSTILE)
 def test_optimizer_files_zload_did_not_write_so_are_refused(tmp_path, case):
     metadata, tensors, drop, named = HOSTILE[case]
