@@ -269,6 +269,28 @@ def test_optimizer_state_that_cannot_be_set_on_the_engine_is_refused(saved, tmp_
         assert str(index) in ours[1] and named in ours[1], (case, ours[1])
 
 
+def test_deepspeeds_optimizer_state_with_steps_that_are_no_counts_is_refused(saved, tmp_path):
+    """DeepSpeed's optimizer states whose step count (which Adam's bias correction raises betas to)
+    is negative or NaN: refused on every rank, naming the file, before anything is written."""
+    import shutil
+
+    folder, _ = saved(2, 3, groups="decay")
+    files = []
+    for k, step in enumerate((-3.0, float("nan"))):
+        shutil.copytree(folder / worlds.NATIVE, tmp_path / str(k))
+        for file in sorted((tmp_path / str(k)).glob("global_step*/*_optim_states.pt")):
+            state = torch.load(file, weights_only=False)
+            for flat in state["optimizer_state_dict"]["optimizer_state_dict"]["state"].values():
+                flat["step"] = torch.tensor(step)
+            torch.save(state, file)
+        files.append(next((tmp_path / str(k)).glob("global_step*/*zero_pp_rank_0_mp_rank_00_optim_states.pt")))
+    results = run_world(2, _each_refused_body, [str(f.parent.parent) for f in files])
+    for file, ours, theirs in zip(files, *results):
+        assert ours is not None and ours[:2] == theirs[:2], (ours, theirs)
+        assert ours[0] == "PlanError" and ours[2], ours  # as every problem of DeepSpeed's files
+        assert str(file) in ours[1] and "step is" in ours[1], ours[1]
+
+
 def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
     run_world(2, _save_weights_body, str(tmp_path / "weights"))
     kind, message = _refusals(tmp_path / "weights")
