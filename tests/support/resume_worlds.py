@@ -27,10 +27,12 @@ WEIGHT_DECAY = 0.1
 NATIVE, ZLOAD = "native", "zload"  # the folders a run saves into
 
 
-def config(stage: int, dtype: str, offload: bool, universal: bool = False) -> dict:
+def config(stage: int, dtype: str, offload: bool, universal: bool = False, round_robin: bool = False) -> dict:
     """``native_checkpoints``' config, with a WarmupLR scheduler (and DeepSpeed's universal
-    loading for the reference resume)."""
+    loading for the reference resume; ``round_robin``: ZeRO-1/2 lay each group's parameters out in
+    its flat buffer in another order than the group's)."""
     out = ds_config(stage, dtype, offload, None)
+    out["zero_optimization"]["round_robin_gradients"] = round_robin
     out["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LEARNING_RATE,
                                                          "warmup_num_steps": 5}}
     if universal:
@@ -43,7 +45,7 @@ def is_frozen(name: str) -> bool:
 
 
 def engine(stage: int, dtype: str, offload: bool, seed: int, universal: bool = False, groups: str = "decay",
-           also_frozen: str | None = None, thawed: bool = False):
+           also_frozen: str | None = None, thawed: bool = False, round_robin: bool = False):
     """A DeepSpeed engine of a tiny tied Llama (``layers.0.mlp`` frozen) with AdamW over two
     parameter groups (``groups="decay"``: matrices with weight decay, vectors without; ``"alike"``:
     the same two groups, both with weight decay; ``"swapped"``: "decay"'s groups in the other
@@ -51,7 +53,7 @@ def engine(stage: int, dtype: str, offload: bool, seed: int, universal: bool = F
     ``thawed``: ``layers.0.mlp`` is trained too."""
     import deepspeed
 
-    settings = config(stage, dtype, offload, universal)
+    settings = config(stage, dtype, offload, universal, round_robin)
     factory = _llama_factory(True)
     if stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=settings):
@@ -89,7 +91,7 @@ def _capability(dtype: str):
     return fp16_capability_claimed() if dtype == "fp16" else contextlib.nullcontext()
 
 
-def _save_body(folder, stage, dtype, offload, steps, groups, more):
+def _save_body(folder, stage, dtype, offload, steps, groups, more, round_robin):
     """Train ``steps`` steps at this world size and save the same state twice: DeepSpeed's
     ``save_checkpoint`` into ``folder/NATIVE`` (then rank 0 converts it with ds_to_universal) and
     ``zload.save(optimizer=True)`` into ``folder/ZLOAD``; then record the engine and train ``more``
@@ -99,7 +101,7 @@ def _save_body(folder, stage, dtype, offload, steps, groups, more):
     import zload
 
     with _capability(dtype):
-        made = engine(stage, dtype, offload, seed=0, groups=groups)
+        made = engine(stage, dtype, offload, seed=0, groups=groups, round_robin=round_robin)
         train(made, steps, 0)
         made.save_checkpoint(Path(folder) / NATIVE)
         zload.save(made, Path(folder) / ZLOAD, optimizer=True)
@@ -161,7 +163,7 @@ def _held(made, steps: int, first: int) -> Resumed:
     return held._replace(losses=losses, steps_after=after)
 
 
-def _resume_body(folder, stage, dtype, offload, how, steps, first, groups):
+def _resume_body(folder, stage, dtype, offload, how, steps, first, groups, round_robin):
     """Build the engine at this world size as the run began, restore it (``how``: "zload" from
     ``folder``; "universal": DeepSpeed's universal checkpoint in ``folder``), and record it.
 
@@ -171,7 +173,8 @@ def _resume_body(folder, stage, dtype, offload, how, steps, first, groups):
     import zload
 
     with _capability(dtype):
-        made = engine(stage, dtype, offload, seed=0, universal=how == "universal", groups=groups)
+        made = engine(stage, dtype, offload, seed=0, universal=how == "universal", groups=groups,
+                      round_robin=round_robin)
         if how == "universal":
             made.load_checkpoint(folder)
         else:
@@ -180,19 +183,19 @@ def _resume_body(folder, stage, dtype, offload, how, steps, first, groups):
 
 
 def save(folder, world: int, stage: int, dtype: str, offload: bool = False, steps: int = 2,
-         groups: str = "decay", more: int = 2) -> list[Resumed]:
+         groups: str = "decay", more: int = 2, round_robin: bool = False) -> list[Resumed]:
     """Train and save at ``world`` (``_save_body``); what each rank held when it saved, and the
     losses of the ``more`` steps after."""
-    return run_world(world, _save_body, str(folder), stage, dtype, offload, steps, groups, more)
+    return run_world(world, _save_body, str(folder), stage, dtype, offload, steps, groups, more, round_robin)
 
 
 def resume(folder, world: int, stage: int, dtype: str, offload: bool = False, how: str = "zload",
-           steps: int = 2, first: int = 2, groups: str = "decay") -> list[Resumed]:
+           steps: int = 2, first: int = 2, groups: str = "decay", round_robin: bool = False) -> list[Resumed]:
     """Resume at ``world`` from what ``save`` wrote into ``folder`` (``how``: "universal" from
     DeepSpeed's checkpoint through its universal checkpoint, "native" by zload from DeepSpeed's
     checkpoint, "zload" from zload's save)."""
     where = Path(folder) / (ZLOAD if how == "zload" else NATIVE)
-    return run_world(world, _resume_body, str(where), stage, dtype, offload, how, steps, first, groups)
+    return run_world(world, _resume_body, str(where), stage, dtype, offload, how, steps, first, groups, round_robin)
 
 
 def assert_same(actual: list[Resumed], expected: list[Resumed], what: str) -> None:

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from zload.checkpoint.optimizer_state import NotPlain, plain, saved_optimizer
 from zload.errors import InvalidCheckpointError
 from zload.integrations.deepspeed import Flat, Slot
-from zload.loading.optimizer import _padding
+from zload.loading.optimizer import _fits, _padding
 
 SHAPES = {"a.weight": (2, 3), "b.weight": (4,)}
 STATES = ["fp32", "exp_avg", "exp_avg_sq"]
@@ -77,6 +77,27 @@ HOSTILE = {
 }
 
 
+def _step(step):
+    return {"param_groups": [{"hyperparameters": {"lr": 0.1}, "params": ["a.weight"], "step": 3},
+                             {"hyperparameters": {"lr": 0.1}, "params": ["b.weight"], "step": step}]}
+
+
+# values set on the live engine as they are: a step Adam's bias correction divides by, a loss
+# scale the gradients are divided by, the engine's counters
+HOSTILE.update({
+    "a step that is a string": (_step("3"), {}, (), "param_groups[1]"),
+    "a negative step": (_step(-1), {}, (), "param_groups[1]['step'] is -1"),
+    "a step that is true": (_step(True), {}, (), "param_groups[1]['step'] is True"),
+    "a step past float's whole numbers": (_step(10 ** 400), {}, (), "param_groups[1]['step']"),
+    "a fractional step": (_step(2.5), {}, (), "param_groups[1]['step'] is 2.5"),
+    "a loss scale that is a string": ({"loss_scaler": {"cur_scale": "1"}}, {}, (), "'cur_scale'"),
+    "a loss scale of zero": ({"loss_scaler": {"cur_scale": 0.0}}, {}, (), "'cur_scale'"),
+    "a loss scale iteration that is a list": ({"loss_scaler": {"cur_iter": [1]}}, {}, (), "'cur_iter'"),
+    "global steps that are a string": ({"engine": {"global_steps": "3"}}, {}, (), "'global_steps'"),
+    "negative global samples": ({"engine": {"global_samples": -4}}, {}, (), "'global_samples'"),
+})
+
+
 @pytest.mark.parametrize("case", HOSTILE)
 def test_optimizer_files_zload_did_not_write_so_are_refused(tmp_path, case):
     metadata, tensors, drop, named = HOSTILE[case]
@@ -101,3 +122,37 @@ def test_the_padding_of_a_flat_partition_is_what_no_slot_holds():
     flat = Flat(0, torch.empty(12), (Slot(None, 0, 3, 0), Slot(None, 5, 4, 5)))
     assert _padding(flat) == [(3, 2), (9, 3)]
     assert _padding(Flat(0, torch.empty(4), (Slot(None, 0, 4, 0),))) == []
+
+
+def _number(value, what):
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else None
+
+
+def _schedulers(optimizer):
+    from torch.optim import lr_scheduler as s
+
+    return [s.StepLR(optimizer, 2), s.LambdaLR(optimizer, lambda step: 0.9 ** step),
+            s.CosineAnnealingWarmRestarts(optimizer, 2), s.OneCycleLR(optimizer, 0.1, total_steps=10),
+            s.CyclicLR(optimizer, 0.01, 0.1, step_size_up=2)]
+
+
+def test_a_saved_optimizer_and_scheduler_fit_a_fresh_ones_kinds():
+    """What a save writes of a torch optimizer's groups and scheduler, after steps, takes the
+    place of those of a fresh one (the kinds a resume requires); hostile values do not."""
+    param = torch.nn.Parameter(torch.ones(2))
+    fresh = torch.optim.AdamW([param], lr=0.1)
+    trained = torch.optim.AdamW([param], lr=0.1)
+    pairs = list(zip(_schedulers(fresh), _schedulers(trained)))
+    for _ in range(3):
+        param.grad = torch.ones(2)
+        trained.step()
+        for _, scheduler in pairs:
+            scheduler.step()
+    saved = plain({k: v for k, v in trained.param_groups[0].items() if k != "params"}, _number)
+    live = {k: v for k, v in fresh.param_groups[0].items() if k != "params"}
+    assert _fits(saved, live)
+    for live_scheduler, scheduler in pairs:
+        assert _fits(plain(scheduler.state_dict(), _number), live_scheduler.state_dict()), type(scheduler).__name__
+    for key, value in {"lr": "0.1", "betas": [0.9], "eps": None, "amsgrad": 0, "weight_decay": 1e400}.items():
+        assert not _fits({**saved, key: value}, live), key
+    assert not _fits({"last_epoch": 3}, pairs[0][0].state_dict())  # another scheduler's keys

@@ -53,6 +53,8 @@ class OptimizerIndex:
     lr_scheduler_problem: str | None = None  # why a saved scheduler state cannot be restored
     counters: dict = field(default_factory=dict)  # COUNTERS found
     weights: tuple[str, ...] = ()  # zload's files: the data digests of the weights saved with them
+    groups_file: str = ""  # the file the parameter groups are read from
+    scheduler_file: str = ""  # the file the LR scheduler's state is read from
     files: FileTable | None = field(default=None, compare=False, repr=False)  # where the bytes are read
     owns_files: bool = False  # whether ``files`` was opened for this index (else the weights index's)
 
@@ -97,6 +99,37 @@ def _count(value) -> int | float | None:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
+
+
+_MAX_COUNT = 2 ** 53  # counts past it are not exact in a float64 (torch's Adam keeps a step in a float)
+
+
+def count_problem(value, what: str, low: int = 0) -> str | None:
+    """Why ``value`` is no count a resume may set on the engine (a step, which Adam's bias
+    correction raises betas to, an iteration): a whole number from ``low`` to 2**53."""
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= _MAX_COUNT:
+        return None
+    return f"{what} is {brief(value)}, not a whole number from {low} to 2**53"
+
+
+def scaler_problem(state: dict, what: str) -> str | None:
+    """Why the loss scaler's ``state`` cannot be set on the engine's: its scale (which gradients
+    are divided by) a positive finite number, its iterations counts (-1: no overflow yet)."""
+    for key, value in state.items():
+        if key != "cur_scale":
+            problem = count_problem(value, f"{what}[{key!r}]", low=-1)
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            problem = f"{what}[{key!r}] is {brief(value)}, not a positive finite number"
+        else:
+            problem = None
+        if problem:
+            return problem
+    return None
+
+
+def counters_problem(counters: dict, what: str) -> str | None:
+    """Why the engine's ``counters`` (``global_steps``...) cannot be set on it."""
+    return next((p for k, v in counters.items() if (p := count_problem(v, f"{what}[{k!r}]"))), None)
 
 
 # ---- DeepSpeed's checkpoints
@@ -170,6 +203,10 @@ def native_optimizer(layout: NativeLayout, source: str) -> tuple[OptimizerIndex 
         if len(steps) > 1:
             return None, [f"{first.opened.path}: the flat partitions of parameter group {g} have taken different "
                           f"numbers of steps {sorted(steps, key=str)}"]
+        wrong = next((p for s in steps if s is not None
+                      and (p := count_problem(s, f"{base_key}['param_groups'][{g}]'s step"))), None)
+        if wrong:
+            return None, [f"{first.opened.path}: {wrong}"]
         try:
             values = plain({k: v for k, v in group.items() if k != "params"}, first.number,
                            f"{base_key}['param_groups'][{g}]")
@@ -188,8 +225,12 @@ def native_optimizer(layout: NativeLayout, source: str) -> tuple[OptimizerIndex 
     except NotPlain as e:
         scheduler, scheduler_problem = None, f"{main.opened.path}: {e}"
     counters = {k: main.state[k] for k in COUNTERS if isinstance(main.state.get(k), int)}
+    wrong = (scaler_problem(loss_scaler, f"{first.opened.path}: optimizer_state_dict['loss_scaler']")
+             or counters_problem(counters, f"{main.opened.path}: the engine's counter"))
+    if wrong:
+        return None, [wrong]
     return OptimizerIndex(source, states, tuple(groups), loss_scaler, scheduler, scheduler_problem, counters,
-                          files=None), []
+                          groups_file=first.opened.path, scheduler_file=main.opened.path, files=None), []
 
 
 def _is_flat_state(value) -> bool:
@@ -240,6 +281,8 @@ def _saved(path: str, source: str, document, tensors: CheckpointIndex, table: Fi
                 and (group.get("step") is None or isinstance(group["step"], (int, float)))):
             raise bad(f"param_groups[{g}] is {brief(group)}, not {{'hyperparameters': {{...}}, 'params': [names], "
                       "'step': a number or null}")
+        if group.get("step") is not None and (wrong := count_problem(group["step"], f"param_groups[{g}]['step']")):
+            raise bad(wrong)
         groups.append(GroupState(group["hyperparameters"], tuple(group["params"]), group.get("step")))
     members = [n for group in groups for n in group.members]
     if len(set(members)) != len(members):
@@ -270,9 +313,12 @@ def _saved(path: str, source: str, document, tensors: CheckpointIndex, table: Fi
 
     loss_scaler = {k: v for k, v in mapping("loss_scaler").items() if k in LOSS_SCALE_KEYS}
     counters = {k: v for k, v in mapping("engine").items() if k in COUNTERS}
+    wrong = scaler_problem(loss_scaler, "'loss_scaler'") or counters_problem(counters, "'engine'")
+    if wrong:
+        raise bad(wrong)
     scheduler = None if metadata.get("lr_scheduler") is None else mapping("lr_scheduler")
     return OptimizerIndex(source, states, tuple(groups), loss_scaler, scheduler, None, counters,
-                          tuple(sorted(weights)), files=table, owns_files=True)
+                          tuple(sorted(weights)), path, path, files=table, owns_files=True)
 
 
 def index_metadata(states: list[str], groups: list[GroupState], loss_scaler: dict, lr_scheduler: dict | None,

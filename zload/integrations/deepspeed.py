@@ -461,8 +461,11 @@ def optimizer_flats(engine) -> tuple[list[Flat], int]:
     parameter groups; raises ``UnsupportedModelError`` for an optimizer zload cannot restore.
 
     ZeRO-3 holds, per sub-group, each parameter's partition (``ceil(numel / world)`` elements, its
-    padding included) one after another; ZeRO-1/2 holds, per group, this rank's slice of the group's
-    flat buffer, and records which fragment of each parameter lies where (``_hp_mapping``)."""
+    padding included) one after another; ZeRO-1/2 holds, per group, this rank's equal slice of the
+    group's flat buffer, which holds the parameters in ``round_robin_bit16_groups`` order at their
+    ``round_robin_bit16_offsets``. Not DeepSpeed's own links from a parameter to its fragment
+    (``_hp_mapping``): they take the parameters in the group's order, which ``round_robin_gradients``
+    changes (DeepSpeed 0.19.8)."""
     import torch.distributed as dist
 
     optimizer = _zero_optimizer(engine)
@@ -478,9 +481,16 @@ def optimizer_flats(engine) -> tuple[list[Flat], int]:
             flats.append(Flat(optimizer.sub_group_to_group_id[sub_group],
                               optimizer.fp32_partitioned_groups_flat[sub_group], tuple(slots)))
     else:
-        for group, params in enumerate(optimizer.bit16_groups):
-            slots = [Slot(p, m.lp_fragment_address.start, m.lp_fragment_address.numel, m.hp_fragment_address.start)
-                     for p in params if (m := p._hp_mapping) is not None]
+        for group, params in enumerate(optimizer.round_robin_bit16_groups):
+            ranks = optimizer.real_dp_process_group[group]
+            size = optimizer.bit16_groups_flat[group].numel() // dist.get_world_size(group=ranks)
+            start = dist.get_rank(group=ranks) * size
+            slots = []
+            for param, offset, meta in zip(params, optimizer.round_robin_bit16_offsets[group],
+                                           optimizer.round_robin_bit16_meta[group]):
+                low, high = max(start, offset), min(start + size, offset + meta.numel())
+                if low < high:
+                    slots.append(Slot(param, low - offset, high - low, low - start))
             flats.append(Flat(group, optimizer.single_partition_of_fp32_groups[group], tuple(slots)))
     return flats, len(optimizer.optimizer.param_groups)
 
@@ -537,18 +547,20 @@ def set_optimizer_state(engine, flats: list[Flat], states: list[dict], groups: l
 
 def weights_from_masters(engine) -> None:
     """Set this rank's 16-bit weights from the fp32 masters, as the optimizer does after a step
-    (no collective: ZeRO-1/2 update each parameter's fragment this rank owns; the other fragments
-    are other ranks' to keep)."""
+    (no collective: ZeRO-1/2 update this rank's slice of each group's flat 16-bit buffer; the rest
+    is other ranks' to keep)."""
+    import torch.distributed as dist
+
     optimizer = _zero_optimizer(engine)
     if hasattr(optimizer, "fp32_partitioned_groups_flat"):
-        for low, master in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat):
-            if master.numel():
-                low.data.copy_(master.data)
+        pairs = zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat)
     else:
-        for params in optimizer.bit16_groups:
-            for param in params:
-                if param._hp_mapping is not None:
-                    param._hp_mapping.update_lp()
+        pairs = ((partitions[dist.get_rank(group=ranks)], master) for partitions, ranks, master in zip(
+            optimizer.parallel_partitioned_bit16_groups, optimizer.real_dp_process_group,
+            optimizer.single_partition_of_fp32_groups))
+    for low, master in pairs:
+        if master.numel():
+            low.data.copy_(master.data)
 
 
 def loss_scale_state(engine) -> dict:

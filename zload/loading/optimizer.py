@@ -15,6 +15,7 @@ Nothing is gathered: no collective but the agreement on problems.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +40,7 @@ from ..integrations.deepspeed import (
     zero3_shape,
 )
 from ..model.targets import Target
-from ..report import shortened
+from ..report import brief, shortened
 from .execute import execute
 from .plan import ReadItem
 
@@ -128,8 +129,27 @@ def _matched(index: OptimizerIndex, live: list[list], names: dict[int, tuple[str
     return matched
 
 
+def _fits(saved, live) -> bool:
+    """Whether ``saved`` (JSON values) may take the place of the engine's ``live`` value: of its
+    kind (numbers finite, sequences as long, mappings of the same keys); None and a bool stand for
+    each other (torch's optimizers' flags ``foreach``, ``fused``... are True, False or None)."""
+    if live is None or isinstance(live, bool):
+        return saved is None or isinstance(saved, bool)
+    if isinstance(live, (int, float)) or isinstance(live, torch.Tensor) and live.numel() == 1:
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(live, str):
+        return isinstance(saved, str)
+    if isinstance(live, (list, tuple)):
+        return isinstance(saved, list) and len(saved) == len(live) and all(map(_fits, saved, live))
+    if isinstance(live, dict):
+        return (isinstance(saved, dict) and set(saved) == {str(k) for k in live}
+                and all(_fits(saved[str(k)], v) for k, v in live.items()))
+    return False
+
+
 def _hyperparameter_problems(index: OptimizerIndex, live: list[dict]) -> list[str]:
-    """Groups whose hyperparameters are named otherwise than the checkpoint's: another optimizer."""
+    """Groups whose hyperparameters are named otherwise than the checkpoint's (another optimizer),
+    or of other kinds (a hostile index: they are set on the engine's optimizer as they are)."""
     problems = []
     for g, (saved, values) in enumerate(zip(index.groups, live)):
         theirs, ours = set(saved.hyperparameters) - _LR_SCHEDULER_ADDS, set(values) - _LR_SCHEDULER_ADDS
@@ -137,6 +157,12 @@ def _hyperparameter_problems(index: OptimizerIndex, live: list[dict]) -> list[st
             problems.append(f"parameter group {g}: the checkpoint's optimizer has the hyperparameters "
                             f"{sorted(theirs - ours)} the engine's lacks, and lacks {sorted(ours - theirs)}: "
                             "another optimizer than the one saved?")
+            continue
+        odd = [f"{key!r} is {brief(value, 60)}, the engine's {brief(values.get(key, 0.0), 60)}"
+               for key, value in saved.hyperparameters.items() if not _fits(value, values.get(key, 0.0))]
+        if odd:
+            problems.append(f"{index.groups_file}: parameter group {g}'s hyperparameters are not of the kinds of "
+                            f"the engine's: {shortened(odd, 3)}")
     return problems
 
 
@@ -214,8 +240,14 @@ def plan_optimizer(plan: OptimizerPlan, targets: list[Target], weights: Checkpoi
                 shapes.append(f"'{name}': its {cast[0]} state is {index.states[cast[0]][name].dtype}, not floating")
     if shapes:
         plan.problems.append(f"{len(shapes)} optimizer states do not fit the model: {shortened(shapes, 5)}")
-    if lr_scheduler(engine) is not None and index.lr_scheduler_problem:
+    scheduler = lr_scheduler(engine)
+    if scheduler is not None and index.lr_scheduler_problem:
         plan.problems.append(f"the LR scheduler's state cannot be restored: {index.lr_scheduler_problem}")
+    elif scheduler is not None and index.lr_scheduler is not None and not _fits(index.lr_scheduler,
+                                                                                 scheduler.state_dict()):
+        plan.problems.append(f"{index.scheduler_file}: the LR scheduler's state {brief(index.lr_scheduler, 120)} is "
+                             f"not of the kinds of the engine's {type(scheduler).__name__}'s "
+                             f"{brief(scheduler.state_dict(), 120)}: another scheduler than the one saved?")
     if plan.problems:
         return
 
