@@ -175,6 +175,22 @@ class Masters:
     optimizers: tuple = ()  # each refreshes all its masters (``refresh_fp32_params``)
     fragments: tuple = ()  # ZeRO-1/2 parameters, each linked to its own fragment of the masters
 
+    def misplaced_groups(self) -> list[int]:
+        """The parameter groups whose ZeRO-1/2 links (``fragments``) point elsewhere in the masters
+        than where the weights lie in the group's flat buffer: DeepSpeed 0.19.8 links parameters in
+        the group's order, while ``round_robin_gradients`` lays the buffer out in another. A link
+        maps element ``lp_fragment_address.start`` of a weight to element
+        ``hp_fragment_address.start`` of this rank's partition, so every weight of a group that is
+        linked right gives the same start of the partition in the flat buffer."""
+        starts: dict[int, set[int]] = {}
+        for param in self.fragments:
+            link = param._hp_mapping
+            if link is None:  # no fragment on this rank
+                continue
+            starts.setdefault(link.param_group_index, set()).add(
+                param.data.storage_offset() + link.lp_fragment_address.start - link.hp_fragment_address.start)
+        return sorted(group for group, found in starts.items() if len(found) > 1)
+
     def refresh(self) -> None:
         """Every master <- the weight it is the master of (a local copy on each rank)."""
         refreshing = [o for o in self.optimizers if hasattr(o, "refresh_fp32_params")]

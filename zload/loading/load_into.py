@@ -349,6 +349,12 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify, optimiz
     try:
         module, engine = unwrap(model)
         masters = masters_of(module, engine)
+        if engine is None and masters is not None and (groups := masters.misplaced_groups()):
+            raise ArgumentTypeError(f"zload.load_into: DeepSpeed links this module's weights to other fp32 masters "
+                                    f"than their own (parameter groups {groups}: ZeRO-1/2 with "
+                                    "round_robin_gradients), so loading into the module alone would leave the "
+                                    "masters wrong; pass the engine (a Trainer's trainer.model_wrapped), whose "
+                                    "masters zload refreshes from its flat buffers")
     except ArgumentTypeError as e:
         invalid = e
     try:

@@ -24,7 +24,7 @@ from ..checkpoint.digest import DIGEST_KEY
 from ..checkpoint.dtypes import TORCH_DTYPES
 from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.optimizer_state import MASTER, OptimizerIndex, native_optimizer, saved_optimizer
-from ..distributed import agree, problems_of
+from ..distributed import agree, problems_of, warn_for_all
 from ..errors import UnsupportedModelError
 from ..integrations.deepspeed import (
     Flat,
@@ -287,6 +287,11 @@ def restore_optimizer(plan: OptimizerPlan, files, staging_bytes: int, source: st
                                                   staging_bytes))
     agree(problems, f"restoring the optimizer state of {source} failed part-way; the engine is partly "
                     "written")
+    scheduler = lr_scheduler(plan.engine)
+    if scheduler is not None and plan.scheduler is None:
+        warn_for_all(f"{source} holds no LR scheduler state: the engine's {type(scheduler).__name__} starts "
+                     "afresh (a warm-up runs again), while each parameter group's saved learning rate is "
+                     "restored; set the scheduler's state yourself, or build the engine without one", stacklevel=3)
     return read
 
 
