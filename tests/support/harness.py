@@ -32,13 +32,19 @@ def free_port() -> int:
 
 
 def reset_process_state() -> None:
-    """Undo what an earlier test left in zload's module state: worlds (and the pytest process)
-    run many tests, each of which should see zload as a new process does."""
+    """Undo what an earlier test left in zload's module state, and transformers' DeepSpeed config:
+    worlds (and the pytest process) run many tests, each of which should see zload as a new
+    process does."""
     from zload import kernels
     from zload.integrations import transformers_registry
 
     kernels.retry_triton()
     transformers_registry.forget_registry()
+    # A Trainer's DeepSpeed config outlives it (accelerate's shared state holds it), and while it
+    # lives transformers' from_pretrained takes its ZeRO-3 path in every later test of the world.
+    transformers_deepspeed = sys.modules.get("transformers.integrations.deepspeed")
+    if transformers_deepspeed is not None:
+        transformers_deepspeed.unset_hf_deepspeed_config()
 
 
 def _worker(rank: int, size: int, port: int, tasks, results) -> None:
