@@ -202,6 +202,19 @@ class Problem:
         return cls(type(error), str(error), error.fields)
 
 
+def agree_arguments(call: str, values: dict, invalid: errors.ZloadError | None, what: str) -> None:
+    """Raise on every rank if the ranks passed ``call`` different ``values`` (plain values as they
+    are, others by their ``str``; the error names each and what each rank passed), or the same
+    invalid one (``invalid``): one all-reduce, which every rank reaches whatever it passed."""
+    arguments = Arguments(call, {name: value if isinstance(value, (str, int, float, type(None))) else str(value)
+                                 for name, value in values.items()}, invalid)
+    high, negated_low = reduce_max([arguments.digest, -arguments.digest])
+    if not same_everywhere(high, negated_low):
+        raise arguments.differing(exchange(arguments.values), what)
+    if arguments.invalid:
+        raise arguments.invalid
+
+
 def agree(problems: list[Problem], what: str) -> None:
     """Raise on every rank if any rank has problems."""
     if reduce_max([len(problems)])[0]:

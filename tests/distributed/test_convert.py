@@ -474,3 +474,23 @@ def test_convert_from_inside_a_torchrun_worker_fails_within_seconds(zero3_w2, tm
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     _assert_fails_within_seconds(json.loads(done.stdout.strip().splitlines()[-1]), tmp_path / "out",
                                  "within 5 s the process of rank 1 did not come; its parent process (")
+
+
+def _convert_with_rank_weights(folder, out):
+    """Rank 0 converts the masters, the others the module's weights: (error class, message)."""
+    import torch.distributed as dist
+
+    try:
+        zload.convert(folder, out, weights="master" if dist.get_rank() == 0 else "module")
+    except zload.ZloadError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_ranks_converting_with_different_arguments_are_refused(zero3_w2, tmp_path):
+    """Every rank refuses a conversion whose ranks passed different arguments, naming the argument
+    and what each rank passed, before anything is read or written."""
+    results = run_world(2, _convert_with_rank_weights, zero3_w2.folder, str(tmp_path / "out"))
+    assert all(r is not None and r[0] == "ArgumentValueError" for r in results), results
+    assert "weights:" in results[0][1] and "'module' on rank 1" in results[0][1], results[0][1]
+    assert not (tmp_path / "out").exists()

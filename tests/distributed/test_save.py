@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from typing import NamedTuple
 
@@ -238,3 +239,30 @@ def fill_the_disk(out, body, *args) -> dict[str, bytes]:
 def test_a_full_disk_fails_every_rank_and_leaves_the_folder_as_it_was(small_disk):
     out = small_disk(24 * 4096) / "out"  # a save takes 17 pages: room for one, not two
     assert sorted(fill_the_disk(out, _save_linear)) == ["model.safetensors", "notes.txt"]
+
+
+def _save_with_rank_arguments(folder, case):
+    """Every rank saves, rank 0 with other arguments than the rest (``case``); (the error class,
+    its message) or None, and whether anything was written into ``folder``."""
+    rank = dist.get_rank()
+    model = build_zero(models.Awkward)
+    arguments = {"dtype": {"dtype": torch.float16 if rank == 0 else None},
+                 "max_shard_size": {"max_shard_size": 200 if rank == 0 else "5GB"}}.get(case, {})
+    try:
+        zload.save(model if case != "model" or rank else None, os.path.join(folder, "out"), **arguments)
+        return None
+    except zload.ZloadError as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("case", ["dtype", "max_shard_size", "model"])
+def test_ranks_saving_with_different_arguments_are_refused(tmp_path, case):
+    """A save whose ranks passed different arguments (another dtype or shard size, no model) is
+    refused on every rank, naming the argument, before anything is written: they would have
+    written a checkpoint of mixed dtypes, failed with a misleading error, or waited for each other.
+    The path may differ (each node may name its local disk otherwise)."""
+    results = run_world(2, _save_with_rank_arguments, str(tmp_path), case)
+    assert all(r is not None for r in results), results
+    assert {kind for kind, _ in results} == {"ArgumentValueError"}, results
+    assert all(f"{case}:" in message and "nothing was written" in message for _, message in results), results
+    assert list(tmp_path.iterdir()) == []

@@ -30,8 +30,8 @@ from ..checkpoint.index import SINGLE_FILE, CheckpointIndex, TensorEntry, read_j
 from ..checkpoint.native import LATEST, converted_tensors, native_folder, read_native
 from ..checkpoint.views import LocalView, share_index, viewed
 from ..collector import collector_paused
-from ..distributed import Choice, agree, problems_of, rank_and_world, stage
-from ..errors import CheckpointError, CheckpointNotFoundError, ZloadWarning
+from ..distributed import Choice, agree, agree_arguments, problems_of, rank_and_world, stage
+from ..errors import ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ZloadWarning
 from ..loading.execute import DEFAULT_STAGING_BYTES
 from ..progress import progress_for
 from ..report import SaveReport, brief
@@ -211,7 +211,15 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: s
     ``progress``: a bar on rank 0 (None: only on a terminal).
     """
     started = time.perf_counter()
-    source, final = os.fspath(checkpoint), os.path.abspath(os.fspath(out))
+    invalid = None
+    try:
+        source, final = os.fspath(checkpoint), os.path.abspath(os.fspath(out))
+    except TypeError as e:
+        source = final = "<not a path>"
+        invalid = ArgumentTypeError(f"zload.convert expects paths (str or os.PathLike): {e}")
+    # every argument but ``progress`` and the paths (each node may name its disk otherwise)
+    agree_arguments("convert", {"weights": weights, "max_shard_size": max_shard_size, "staging_bytes": staging_bytes},
+                    invalid, f"cannot convert {source}; nothing was written")
     rank = rank_and_world()[0]
     with stage(f"reading {source}", "Nothing was written."):
         read = _read_agreed(source, weights, with_config=rank == 0)  # rank 0 publishes the configs

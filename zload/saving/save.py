@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from ..collector import collector_paused
-from ..distributed import agree, exchange, problems_of, rank_and_world, stage, warn_for_all
+from ..distributed import agree, agree_arguments, exchange, problems_of, rank_and_world, stage, warn_for_all
 from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
 from ..integrations.deepspeed import Masters, masters_of
 from ..loading.execute import DEFAULT_STAGING_BYTES
@@ -68,12 +68,30 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                      "will be removed", stacklevel=3, category=FutureWarning)
         staging_bytes = buffer_bytes
     started = time.perf_counter()
-    module, engine = unwrap(model)
+    module = engine = invalid = None
+    try:
+        module, engine = unwrap(model)
+    except ArgumentTypeError as e:
+        invalid = e
+    try:
+        final = os.path.abspath(os.fspath(path))
+    except TypeError:
+        final = f"<a {type(path).__name__}>"
+        invalid = invalid or ArgumentTypeError(f"zload.save expects a path (str or os.PathLike), got "
+                                               f"{type(path).__name__}")
+    # every argument but ``progress`` (a bar on rank 0 alone) and ``path`` (without a shared
+    # filesystem rank 0's alone is written, and each node may name its local disk otherwise), the
+    # model by its kind: before anything else, so that no rank plans, let alone writes, another
+    # save than the others
+    values = {"model": f"a {type(model).__name__}", "max_shard_size": max_shard_size,
+              "dtype": dtype, "master_weights": master_weights, "shared_filesystem": shared_filesystem,
+              "staging_bytes": staging_bytes, "optimizer": optimizer}
+    agree_arguments("save", values, invalid, f"cannot save to {final}; nothing was written")
     sink = _ModelSink(module, masters_of(module, engine), dtype, master_weights, max_shard_size, staging_bytes,
                       progress)
     if optimizer is not False:
         sink = with_optimizer(sink, engine, optimizer, max_shard_size, staging_bytes)
-    report, notes = write_checkpoint(os.path.abspath(os.fspath(path)), sink, shared_filesystem, started)
+    report, notes = write_checkpoint(final, sink, shared_filesystem, started)
     for note in notes:  # point at the caller's save() line
         warnings.warn(note, ZloadWarning, stacklevel=3)
     return report
