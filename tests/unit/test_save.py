@@ -25,3 +25,10 @@ def test_leftovers_of_a_killed_save_are_named_and_kept(tmp_path):
     assert warning.filename == __file__  # points at the caller's save() line
     assert leftover.is_dir() and torch.equal(load_file(str(out / "model.safetensors"))["weight"],
                                              model.weight.detach())
+
+
+@pytest.mark.parametrize("model", [None, {"weight": torch.zeros(2)}])
+def test_what_is_no_model_is_refused_naming_save(tmp_path, model):
+    with pytest.raises(zload.ArgumentTypeError, match=r"^zload\.save expects an nn\.Module or a DeepSpeedEngine"):
+        zload.save(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

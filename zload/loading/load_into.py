@@ -347,7 +347,7 @@ def _call(model, path, strict, key_map, revision, staging_bytes, verify, optimiz
     know they all passed it."""
     module = engine = masters = invalid = None
     try:
-        module, engine = unwrap(model)
+        module, engine = unwrap(model, "zload.load_into")
         masters = masters_of(module, engine)
         if engine is None and masters is not None and (groups := masters.misplaced_groups()):
             raise ArgumentTypeError(f"zload.load_into: DeepSpeed links this module's weights to other fp32 masters "

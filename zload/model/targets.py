@@ -57,13 +57,13 @@ class Target:
         return self.names[0]
 
 
-def unwrap(model):
-    """(module, engine or None) for an nn.Module or a DeepSpeedEngine."""
+def unwrap(model, call: str):
+    """(module, engine or None) for an nn.Module or a DeepSpeedEngine passed to ``call``."""
     if as_engine(model) is not None:
         return model.module, model
     if isinstance(model, torch.nn.Module):
         return model, None
-    raise ArgumentTypeError(f"zload.load_into expects an nn.Module or a DeepSpeedEngine, got {type(model).__name__}")
+    raise ArgumentTypeError(f"{call} expects an nn.Module or a DeepSpeedEngine, got {type(model).__name__}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

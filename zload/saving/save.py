@@ -70,7 +70,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     started = time.perf_counter()
     module = engine = invalid = None
     try:
-        module, engine = unwrap(model)
+        module, engine = unwrap(model, "zload.save")
     except ArgumentTypeError as e:
         invalid = e
     try:
