@@ -370,7 +370,7 @@ def test_a_reader_never_waits_for_a_read_ahead_thread_that_died(big_file, monkey
         raise RuntimeError("the read-ahead thread dies")
 
     monkeypatch.setattr(pagecache, "pull", broken)
-    with pytest.warns(RuntimeWarning, match="reading ahead of a cold load stopped"):
+    with pytest.warns(RuntimeWarning, match=r"^rank \d+: reading ahead of a cold load stopped"):
         read_in_pieces(path, data)  # returns, with every byte right
 
 

@@ -254,8 +254,10 @@ class ReadAhead:
                     self.done = k + 1
                     self.changed.notify_all()
         except Exception as error:  # the reads go on without it, as slowly as without hints
-            warnings.warn(f"zload: reading ahead of a cold load stopped ({error!r}); it goes on "
-                          "without", RuntimeWarning, stacklevel=1)
+            from ..distributed import rank_and_world  # torch, which this module does not import otherwise
+
+            warnings.warn(f"rank {rank_and_world()[0]}: reading ahead of a cold load stopped ({error!r}); the "
+                          "load goes on without it, as fast as the reads alone", RuntimeWarning, stacklevel=1)
         finally:  # a reader never waits for a thread that has stopped
             with self.changed:
                 self.closed = True
