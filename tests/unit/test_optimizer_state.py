@@ -156,3 +156,38 @@ def test_a_saved_optimizer_and_scheduler_fit_a_fresh_ones_kinds():
     for key, value in {"lr": "0.1", "betas": [0.9], "eps": None, "amsgrad": 0, "weight_decay": 1e400}.items():
         assert not _fits({**saved, key: value}, live), key
     assert not _fits({"last_epoch": 3}, pairs[0][0].state_dict())  # another scheduler's keys
+
+
+def _engine_with(scaler):
+    """Just enough of an engine for the loss-scaler functions: a ZeRO optimizer holding ``scaler``."""
+    from types import SimpleNamespace
+    return SimpleNamespace(optimizer=SimpleNamespace(fp32_partitioned_groups_flat=[], loss_scaler=scaler))
+
+
+def _dynamic(scale=2.0 ** 16):
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    return DynamicLossScaler(init_scale=scale, scale_window=1000, min_scale=1, delayed_shift=2,
+                             consecutive_hysteresis=False)
+
+
+def _static(scale=1.0):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    return LossScaler(scale=scale)
+
+
+@pytest.mark.parametrize("saved, live, kept", [
+    (_static(1.0), _dynamic(), "live"),     # bf16 checkpoint, fp16 engine: scale 1 would underflow
+    (_static(128.0), _dynamic(), "live"),   # a static fp16 scale is no dynamic scaler's learning
+    (_dynamic(2.0 ** 10), _static(1.0), "live"),  # bf16 engine: its scale is 1, whatever was saved
+    (_dynamic(2.0 ** 10), _static(64.0), "live"),  # a configured static scale stays as configured
+    (_dynamic(2.0 ** 10), _dynamic(), "saved"),  # what a dynamic scaler learnt goes on
+], ids=["bf16 into fp16", "static fp16 into dynamic", "fp16 into bf16", "dynamic into static",
+        "dynamic into dynamic"])
+def test_a_loss_scale_is_restored_only_from_a_dynamic_scaler_into_one(saved, live, kept):
+    from zload.integrations.deepspeed import loss_scale_state, set_loss_scale_state
+    if saved.dynamic:
+        saved.cur_iter = 700  # it has learnt something
+    state = loss_scale_state(_engine_with(saved))
+    before = loss_scale_state(_engine_with(live))
+    set_loss_scale_state(_engine_with(live), state)
+    assert loss_scale_state(_engine_with(live)) == (state if kept == "saved" else before)

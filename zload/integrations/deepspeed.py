@@ -586,8 +586,12 @@ def loss_scale_state(engine) -> dict:
 
 
 def set_loss_scale_state(engine, state: dict) -> None:
-    """Restore ``loss_scale_state`` (the keys both the engine's scaler and ``state`` have)."""
+    """Restore ``loss_scale_state`` when it and the engine's scaler are both dynamic. A static
+    scale is configuration, not learning: bf16's 1 would make an fp16 engine's gradients
+    underflow, and a bf16 or static fp16 engine keeps the scale its config gives."""
     scaler = getattr(_zero_optimizer(engine), "loss_scaler", None)
+    if not getattr(scaler, "dynamic", False) or "cur_iter" not in state:
+        return
     for key in LOSS_SCALE_KEYS:
         if key in state and hasattr(scaler, key):
             setattr(scaler, key, state[key])
