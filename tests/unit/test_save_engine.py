@@ -46,3 +46,24 @@ def test_dtype_leaves_integer_buffers_and_int_sizes_work(tmp_path):
     with pytest.raises(zload.ZloadError, match="master_weights"):
         zload.save(model, tmp_path / "master", master_weights=True)
     assert not (tmp_path / "master").exists()
+
+
+def test_a_group_whose_flats_took_different_steps_is_refused(monkeypatch):
+    """One step count per group is all the format holds: flats of one group (ZeRO-3 sub-groups)
+    that disagree are refused, not saved with ``step: null`` (which a resume reads as no step)."""
+    from types import SimpleNamespace
+
+    from zload.errors import UnsupportedModelError
+    from zload.integrations.deepspeed import Flat, Slot
+    from zload.saving import optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))]
+    flats = [Flat(0, torch.zeros(4), (Slot(p, 0, 4, 0),)) for p in params]
+    states = [{"step": torch.tensor(3.0), "exp_avg": torch.zeros(4)}, {"step": 2, "exp_avg": torch.zeros(4)}]
+    for name, value in {"optimizer_flats": lambda engine: (flats, None), "flat_states": lambda engine, f: states,
+                        "optimized_parameters": lambda engine: [params], "hyperparameters": lambda engine: [{}],
+                        "is_zero3": lambda p: False}.items():
+        monkeypatch.setattr(optimizer, name, value)
+    model = [SimpleNamespace(name=f"w{k}", tensor=p) for k, p in enumerate(params)]
+    with pytest.raises(UnsupportedModelError, match=r"group 0 on rank 0 .*different numbers of steps \(2, 3\)"):
+        optimizer._plan(SimpleNamespace(), model, "1GB", 0, 1)

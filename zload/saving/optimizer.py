@@ -92,11 +92,15 @@ def _plan(engine, model: list[Target], max_shard_size, rank: int, world: int):
     groups, targets, tensors, sources = [], [], [], {}
     for g, (params, values) in enumerate(zip(optimized_parameters(engine), hyperparameters(engine))):
         steps = {_step(state) for flat, state in zip(flats, states) if flat.group == g}
+        if len(steps) > 1:  # one step per group is what the format (and a resume) can hold
+            raise UnsupportedModelError(f"cannot save the optimizer state: the flat partitions of parameter group "
+                                        f"{g} on rank {rank} have taken different numbers of steps "
+                                        f"({', '.join(map(str, sorted(steps, key=str)))})")
         try:
             values = plain(values, _number, f"the hyperparameters of parameter group {g}")
         except NotPlain as e:
             raise UnsupportedModelError(f"cannot save the optimizer state: {e}") from None
-        groups.append(GroupState(values, tuple(names[id(p)] for p in params), steps.pop() if len(steps) == 1 else None))
+        groups.append(GroupState(values, tuple(names[id(p)] for p in params), steps.pop() if steps else None))
         for param in params:
             shape = zero3_shape(param) if is_zero3(param) else tuple(param.shape)
             flat, state, slot = held.get(id(param), (flats[0], {}, None))
