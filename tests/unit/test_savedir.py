@@ -256,3 +256,30 @@ def test_a_killed_save_before_its_commit_keeps_the_earlier_optimizer_state(tmp_p
     SaveFolder(str(tmp_path), "d" * 16).clean_up_killed_saves()
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "optimizer-00001-of-00001.safetensors",
                                             "optimizer.safetensors.index.json"]
+
+
+def test_a_fifo_for_a_lock_never_blocks_a_save(tmp_path, monkeypatch):
+    """A staging folder whose lock is a FIFO the user may not write (opened read-only, a FIFO
+    blocks until a writer comes): the next save neither waits on it nor removes the folder."""
+    import threading
+
+    from zload.saving import folder as folder_module
+
+    staging = _killed_save(tmp_path, "7" * 16, lock=False)
+    os.mkfifo(staging / LOCK)
+    real_open = os.open
+
+    def no_write_permission(path, flags, *args):  # as for a lock file of another user's (root may write any)
+        if str(path) == str(staging / LOCK) and flags & os.O_RDWR:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(folder_module.os, "open", no_write_permission)
+    save = SaveFolder(str(tmp_path), "8" * 16)
+    done = threading.Thread(target=lambda: (save.begin(), save.clean_up_killed_saves(), save.abort()), daemon=True)
+    done.start()
+    done.join(10)
+    if done.is_alive():  # unblock the reader before failing
+        os.close(real_open(staging / LOCK, os.O_WRONLY | os.O_NONBLOCK))
+    assert not done.is_alive(), "the save blocked opening a FIFO"
+    assert (staging / LOCK).exists() and any("is a FIFO" in note for note in save.notes), save.notes

@@ -32,7 +32,8 @@ class Identity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` that is not a regular file is, for messages."""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device")):
@@ -44,7 +45,7 @@ def _kind(mode: int) -> str:
 def refuse_irregular(path: str, st: os.stat_result) -> None:
     """Raise unless ``st`` (of ``path``, links followed) is a regular file."""
     if not stat.S_ISREG(st.st_mode):
-        raise InvalidCheckpointError(f"{path}: is {_kind(st.st_mode)}, not a regular file; a checkpoint "
+        raise InvalidCheckpointError(f"{path}: is {file_kind(st.st_mode)}, not a regular file; a checkpoint "
                                      "file must be a regular file (or a link to one)", path=path)
 
 

@@ -41,7 +41,7 @@ import socket
 import stat
 from contextlib import contextmanager
 
-from ..checkpoint.files import FileTable, open_regular
+from ..checkpoint.files import FileTable, file_kind, open_regular
 from ..checkpoint.index import MAX_INDEX_BYTES, read_weight_map, shard_path
 from ..checkpoint.optimizer_state import OPTIMIZER_SINGLE
 from ..errors import ArgumentValueError, WriteError, ZloadError
@@ -209,14 +209,22 @@ def _try_lock(fd: int) -> bool | None:
 
 def _open_lock(staging: str) -> int | None:
     """The lock file of a staging folder, open, or None if it has none: killed between making the
-    folder and the lock. Read-write where allowed (NFS locks want it), else read-only."""
+    folder and the lock. Read-write where allowed (NFS locks want it), else read-only; never
+    waiting on a FIFO put in its place, which raises ``WriteError`` (no lock of ours)."""
+    path = os.path.join(staging, LOCK)
     for mode in (os.O_RDWR, os.O_RDONLY):
         try:
-            return os.open(os.path.join(staging, LOCK), mode | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, mode | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except PermissionError:
             continue
         except OSError:
             return None
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            return fd
+        os.close(fd)
+        raise WriteError(f"{path} is {file_kind(mode)}, not the lock file a save makes; remove {staging} "
+                         "if no save of yours is running", path=path)
     return None
 
 
@@ -283,7 +291,10 @@ class SaveFolder:
         for staging in _staging_folders(self.final):
             if staging == self.staging:
                 continue
-            fd = _open_lock(staging)
+            try:
+                fd = _open_lock(staging)
+            except WriteError:
+                continue  # not a lock of a save: not a reason to refuse
             if fd is None:
                 continue
             try:
@@ -406,8 +417,9 @@ class SaveFolder:
         for staging in _staging_folders(self.final):
             if staging == self.staging:
                 continue
-            fd = _open_lock(staging)
+            fd = None
             try:
+                fd = _open_lock(staging)
                 held = _try_lock(fd) if fd is not None else True
                 if held is None:
                     unknown.append(staging)
