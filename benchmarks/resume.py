@@ -9,8 +9,9 @@ at world size 2, a Llama-shaped model (``benchmarks.load``'s ``llama_config``) u
 ``deepspeed.zero.Init`` with ZeRO-3, bf16 and AdamW after one training step, saved twice from the
 same engine: ``engine.save_checkpoint`` (``native/``) and ``zload.save(optimizer=True)``
 (``zload/``), each rank timing its own call (the save comparison). Then, for each run and each
-world size W' of ``--worlds``, each method in turn, with the files it reads (and only those: they
-may not all fit in the page cache) read just before:
+world size W' of ``--worlds``, each method in turn, the files it reads (and only those: they may
+not all fit in the page cache) read by its ranks once their engines are built, just before the
+call (read earlier, the engines' memory may push them out):
 
 - ``ds_to_universal``: DeepSpeed's conversion (``python -m deepspeed.checkpoint.ds_to_universal``,
   its default workers), once per run (it does not depend on W'), one fresh command: wall clock
@@ -22,10 +23,12 @@ may not all fit in the page cache) read just before:
 
 Per rank, each step apart: the seconds of the call alone (not the engine's build), the RSS
 before it and its high-water mark after (``ru_maxrss``), and, for zload, the bytes it read; its
-I/O floors are those bytes at the speed one process reads the checkpoint's files from the page
-cache into a reused buffer, and the same with the bytes of the Adam states the engine holds no
-memory for yet (an engine that has not stepped: any resume brings them into being) at the speed
-it reads them into newly allocated memory. The first run checks that every rank's fp32 masters,
+I/O floors are those bytes at the speed one process alone reads the checkpoint's files from the
+page cache into a reused buffer (a bound no resume reaches), and the time the rank itself takes,
+right after its resume and with all ranks at once, to read as many bytes of the same files with
+zload's reader threads, those of the Adam states the engine held no memory for (an engine that has
+not stepped: any resume brings them into being) into memory allocated then (``_floor_in_rank``).
+The first run checks that every rank's fp32 masters,
 exp_avg, exp_avg_sq and step counts are bit-identical between DeepSpeed's resume and zload's
 two. A resume that fails (DeepSpeed's universal load can run out of memory) is recorded as
 failed. Results: ``OUT/resume-<name>.{json,md}``.
@@ -50,6 +53,7 @@ from benchmarks.load.report import save_results
 
 SAVE_WORLD = 2
 NATIVE, ZLOAD = "native", "zload"
+CHUNK = 16 << 20  # the floors' reads
 RESUMES = ("load_universal", "zload (native)", "zload (zload.save)")  # the methods run in W' ranks
 
 
@@ -138,21 +142,72 @@ def resume(method: str, folder: str, out: str) -> None:
 
     engine, _ = _engine(os.path.join(folder, "config.json"), universal=method == "load_universal")
     if method == "load_universal":
+        _warm_in_ranks(_tag(folder) + "_universal")
         record = _timed(lambda: engine.load_checkpoint(os.path.join(folder, NATIVE))[0] and None)
     else:
         where = os.path.join(folder, NATIVE if method == "zload (native)" else ZLOAD)
-        new_state = _new_state_bytes(engine)
-        record = dict(_timed(lambda: zload.load_into(engine, where, optimizer=True).bytes_read),
-                      new_state_bytes=new_state)
+        files = checkpoint_files(_tag(folder), ".pt") if method == "zload (native)" else checkpoint_files(where)
+        _warm_in_ranks(os.path.dirname(files[0]))
+        existing, new = _state_bytes(engine)
+        record = dict(_timed(lambda: zload.load_into(engine, where, optimizer=True).bytes_read), new_state_bytes=new)
+        record["floor_seconds"] = _floor_in_rank(files, existing, new)
     _write(out, dict(record, digest=_digest(engine)))
 
 
-def _new_state_bytes(engine) -> int:
-    """The bytes of Adam's two states that the engine's optimizer holds no memory for yet (before
-    its first step): a resume brings them into being."""
+def _state_bytes(engine) -> tuple[int, int]:
+    """(the bytes of this rank's fp32 masters and Adam states that the engine holds memory for, the
+    bytes of those it does not yet): before its first step, the two Adam states are new memory
+    that a resume brings into being."""
     optimizer = engine.optimizer
-    return sum(2 * flat.numel() * flat.element_size() for flat in optimizer.fp32_partitioned_groups_flat
-               if "exp_avg" not in optimizer.optimizer.state.get(flat, {}))
+    flats = optimizer.fp32_partitioned_groups_flat
+    new = sum(2 * flat.numel() * flat.element_size() for flat in flats
+              if "exp_avg" not in optimizer.optimizer.state.get(flat, {}))
+    return sum(3 * flat.numel() * flat.element_size() for flat in flats) - new, new
+
+
+def _floor_in_rank(paths: list[str], existing: int, new: int) -> float:
+    """The seconds this rank takes, all ranks at once, to read ``existing`` bytes of ``paths`` (from
+    the page cache) into a reused buffer per thread and then ``new`` bytes into memory allocated
+    now, with as many threads as zload reads with: the I/O floor of the resume just timed, on the
+    same cores, beside the same peers and faulting in the same kind of memory. It runs after the
+    resume because memory just freed is faster to fault in again (on this VM, until the kernel
+    has handed it back to the host), which would flatter whichever ran second."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import torch.distributed as dist
+
+    from zload.distributed import reader_count
+
+    chunks = [(p, at, min(CHUNK, size - at)) for p in paths for size in [os.path.getsize(p)]
+              for at in range(0, size, CHUNK)]
+    first = dist.get_rank() * len(chunks) // dist.get_world_size()  # the ranks start apart, as they read
+    chunks = chunks[first:] + chunks[:first]
+    fresh = memoryview(torch.empty(new, dtype=torch.uint8).numpy()).cast("B")
+    local = threading.local()
+    jobs, done, k = [], 0, 0  # (file, offset, where in ``fresh`` or None: a reused buffer, bytes)
+    while done < existing + new:
+        path, offset, length = chunks[k % len(chunks)]
+        length = min(length, existing - done if done < existing else existing + new - done)
+        jobs.append((path, offset, None if done < existing else done - existing, length))
+        done, k = done + length, k + 1
+
+    def read(job) -> None:
+        path, offset, at, length = job
+        if at is None and not hasattr(local, "buffer"):
+            local.buffer = memoryview(bytearray(CHUNK))
+        target = local.buffer[:length] if at is None else fresh[at:at + length]
+        with open(path, "rb", buffering=0) as f:
+            os.preadv(f.fileno(), [target], offset)
+
+    dist.barrier()
+    started = time.perf_counter()
+    with ThreadPoolExecutor(reader_count()) as pool:
+        list(pool.map(read, jobs))
+    seconds = time.perf_counter() - started
+    dist.barrier()
+    return seconds
 
 
 def _torchrun(world: int, *arguments: str) -> list[dict]:
@@ -231,15 +286,23 @@ def run_and_report(command: list[str]) -> int:
     return 0
 
 
-def _warm(folder: str) -> None:
-    """Read every file under ``folder`` once, so that the files a method reads (and no others: the
-    page cache may not hold all of them) are in the page cache."""
-    buffer = bytearray(16 << 20)
-    for root, _, names in os.walk(folder):
-        for name in names:
-            with open(os.path.join(root, name), "rb", buffering=0) as f:
-                while f.readinto(buffer):
-                    pass
+def _files_under(folder: str) -> list[str]:
+    return sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names)
+
+
+def _warm_in_ranks(folder: str) -> None:
+    """Read every file under ``folder`` into the page cache, the ranks sharing the reads, right
+    before the timed call: read before the engines were built, a file may have been pushed out
+    while they took their memory (the kernel reclaims first what was read once), and the call
+    would read it from the disk."""
+    import torch.distributed as dist
+
+    buffer = bytearray(CHUNK)
+    chunks = [(p, at) for p in _files_under(folder) for at in range(0, os.path.getsize(p), CHUNK)]
+    for path, at in chunks[dist.get_rank()::dist.get_world_size()]:
+        with open(path, "rb", buffering=0) as f:
+            os.preadv(f.fileno(), [buffer], at)
+    dist.barrier()
 
 
 def _read_speed(folder: str) -> float:
@@ -252,61 +315,24 @@ def _read_speed(folder: str) -> float:
     return min(speeds)
 
 
-def _fresh_read_speed(folder: str) -> float:
-    """Bytes per second one process reads zload's optimizer files from the (warm) page cache into
-    memory it has just allocated, each file into its own new buffer: what reading into an
-    optimizer state that does not exist yet costs, its pages faulted in as they are written. The
-    faster of one thread and one per usable core (16 MiB reads shared among them), as the floor
-    is the least a resume could take."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    files = checkpoint_files(os.path.join(folder, ZLOAD), ".safetensors")
-    warm_page_cache(os.path.join(folder, ZLOAD))
-    speeds = []
-    for threads in sorted({1, len(os.sched_getaffinity(0))}):
-        started, total = time.perf_counter(), 0
-        with ThreadPoolExecutor(threads) as pool:
-            for path in files:
-                total += sum(pool.map(_read_chunk, *zip(*_fresh_chunks(path))))
-        speeds.append(total / (time.perf_counter() - started))
-    return max(speeds)
-
-
-def _fresh_chunks(path: str):
-    """(file, new buffer, offset) of each 16 MiB read of ``path`` into one new buffer of its size."""
-    import torch
-
-    size = os.path.getsize(path)
-    memory = memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
-    return [(path, memory, at) for at in range(0, size, 16 << 20)]
-
-
-def _read_chunk(path: str, memory: memoryview, at: int) -> int:
-    with open(path, "rb", buffering=0) as f:
-        return os.preadv(f.fileno(), [memory[at:at + (16 << 20)]], at)
-
-
-def _per_rank(records: list[dict], speeds: tuple[float, float] | None = None) -> dict:
-    """The slowest rank's seconds, and each rank's figures; with ``speeds`` (into memory that
-    exists, into new memory), each rank's bytes read (what zload reports) and their I/O floors:
-    every byte at the first speed, and the bytes of the states the engine had no memory for yet
-    at the second."""
+def _per_rank(records: list[dict], speed: float | None = None) -> dict:
+    """The slowest rank's seconds, and each rank's figures; with ``speed`` (one process reading the
+    files into a reused buffer), each rank's bytes read (what zload reports) and their I/O floors:
+    every byte at that speed, and the floor the rank measured after its resume (``_floor_in_rank``)."""
     out = {"seconds": max(r["seconds"] for r in records), "seconds_ranks": [r["seconds"] for r in records],
            "peak_rss_ranks": [r["peak_rss"] for r in records], "rss_before_ranks": [r["rss_before"] for r in records]}
-    if speeds and records[0].get("result") is not None:
-        existing, fresh = speeds
+    if speed and records[0].get("result") is not None:
         out["bytes_read_ranks"] = [r["result"] for r in records]
         out["new_state_bytes_ranks"] = [r["new_state_bytes"] for r in records]
-        out["io_floor_seconds_ranks"] = [r["result"] / existing for r in records]
-        out["io_floor_new_memory_seconds_ranks"] = [(r["result"] - r["new_state_bytes"]) / existing
-                                                    + r["new_state_bytes"] / fresh for r in records]
+        out["io_floor_seconds_ranks"] = [r["result"] / speed for r in records]
+        out["io_floor_new_memory_seconds_ranks"] = [r["floor_seconds"] for r in records]
     return out
 
 
 def measure_size(name: str, weights: int, args) -> dict:
     folder, saves = ensure_checkpoint(args.cache, weights)
     tag = _tag(folder)
-    speeds = _read_speed(folder), _fresh_read_speed(folder)
+    speed = _read_speed(folder)
     files = {NATIVE: sum(os.path.getsize(p) for p in checkpoint_files(tag, ".pt")),
              ZLOAD: sum(os.path.getsize(p) for p in checkpoint_files(os.path.join(folder, ZLOAD), ""))}
     converts: list[dict] = []
@@ -318,8 +344,6 @@ def measure_size(name: str, weights: int, args) -> dict:
         for world in args.worlds:
             digests = {}
             for method in RESUMES:
-                _warm({"load_universal": tag + "_universal", "zload (native)": tag}.get(method,
-                                                                                      os.path.join(folder, ZLOAD)))
                 try:
                     records = _torchrun(world, "--resume", method, folder)
                 except RuntimeError as e:  # DeepSpeed's universal load can run out of memory
@@ -327,12 +351,11 @@ def measure_size(name: str, weights: int, args) -> dict:
                     log(f"{name} run {run + 1} W'={world} {method}: failed: {e}")
                     continue
                 digests[method] = [r["digest"] for r in records]
-                samples[world][method].append(_per_rank(records, speeds))
+                samples[world][method].append(_per_rank(records, speed))
                 log(f"{name} run {run + 1} W'={world} {method}: {samples[world][method][-1]['seconds']:.2f} s")
             if run == 0 and len({tuple(d) for d in digests.values()}) > 1:
                 raise AssertionError(f"W'={world}: the resumed optimizers differ between {list(digests)}")
-    return {"size": name, "weights_bytes": weights, "files_bytes": files, "read_bytes_per_second": speeds[0],
-            "read_into_new_memory_bytes_per_second": speeds[1],
+    return {"size": name, "weights_bytes": weights, "files_bytes": files, "read_bytes_per_second": speed,
             "runs": args.runs, "saves": {m: _per_rank([s[m] for s in saves]) for m in saves[0]},
             "ds_to_universal": _median(converts),
             "resumes": {str(w): {m: _median(v) for m, v in by.items()} for w, by in samples.items()}}
@@ -383,11 +406,12 @@ def markdown(data: dict) -> str:
                                  f"{by[method]['seconds'] / ds:.3f} | | | |")
     lines += ["", f"Command: `{data['command']}`. Median run. Seconds: the call alone on each rank (the engine "
               "built before it), the slowest rank; ds_to_universal: the whole command (one process and its "
-              "workers). I/O floors: the rank's bytes read at the speed one process reads the files from the page "
-              "cache into one reused buffer, and the same with the bytes of the Adam states the engine has no "
-              "memory for yet (it has taken no step) at the speed one process reads the files into new memory "
-              "(its pages faulted in as it goes; the faster of one thread and one per core; in brackets, the "
-              "step's time over each floor). Peak RSS: the "
+              "workers). I/O floors: the rank's bytes read at the speed one process alone reads the files from "
+              "the page cache into one reused buffer (a bound no resume reaches), and the time the rank takes, "
+              "right after its resume with all ranks at once and as many reader threads, to read as many bytes of "
+              "the same files, those of the Adam states the engine had no memory for (it has taken no step) into "
+              "memory allocated then, its pages faulted in as it goes (in brackets, the step's time over each "
+              "floor). Peak RSS: the "
               "high-water mark after the step; rise: that minus the RSS before it. The first run checks that "
               "every rank's masters, exp_avg, exp_avg_sq and steps are bit-identical across the three resumes."]
     return "\n".join(lines) + "\n"
