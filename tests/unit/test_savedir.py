@@ -258,28 +258,43 @@ def test_a_killed_save_before_its_commit_keeps_the_earlier_optimizer_state(tmp_p
                                             "optimizer.safetensors.index.json"]
 
 
-def test_a_fifo_for_a_lock_never_blocks_a_save(tmp_path, monkeypatch):
-    """A staging folder whose lock is a FIFO the user may not write (opened read-only, a FIFO
-    blocks until a writer comes): the next save neither waits on it nor removes the folder."""
-    import threading
-
+def _unwritable(monkeypatch, path, flags_refused):
+    """``os.open`` of ``path`` with any of ``flags_refused`` fails as for a file of another user's
+    (root may open any, so the test makes it so)."""
     from zload.saving import folder as folder_module
 
-    staging = _killed_save(tmp_path, "7" * 16, lock=False)
-    os.mkfifo(staging / LOCK)
     real_open = os.open
 
-    def no_write_permission(path, flags, *args):  # as for a lock file of another user's (root may write any)
-        if str(path) == str(staging / LOCK) and flags & os.O_RDWR:
-            raise PermissionError(errno.EACCES, "Permission denied", path)
-        return real_open(path, flags, *args)
+    def refusing(name, flags, *args):
+        if str(name) == str(path) and flags & os.O_ACCMODE in flags_refused:
+            raise PermissionError(errno.EACCES, "Permission denied", name)
+        return real_open(name, flags, *args)
 
-    monkeypatch.setattr(folder_module.os, "open", no_write_permission)
+    monkeypatch.setattr(folder_module.os, "open", refusing)
+
+
+@pytest.mark.parametrize("lock", ["a FIFO we may not write", "a folder", "a file we may not open", "a symlink"])
+def test_a_lock_that_cannot_be_ours_never_blocks_a_save_and_stays(tmp_path, monkeypatch, lock):
+    """A staging folder whose lock is not a regular file we can open (a FIFO opened read-only
+    blocks until a writer comes; another user's lock cannot be opened): the next save neither
+    waits on it nor removes the folder, and says which folder to remove."""
+    import threading
+
+    staging = _killed_save(tmp_path, "7" * 16, lock=lock == "a file we may not open")
+    if lock == "a FIFO we may not write":
+        os.mkfifo(staging / LOCK)
+        _unwritable(monkeypatch, staging / LOCK, {os.O_RDWR})
+    elif lock == "a folder":
+        (staging / LOCK).mkdir()
+    elif lock == "a file we may not open":
+        _unwritable(monkeypatch, staging / LOCK, {os.O_RDWR, os.O_RDONLY})
+    else:
+        (staging / LOCK).symlink_to(tmp_path / "elsewhere")
     save = SaveFolder(str(tmp_path), "8" * 16)
     done = threading.Thread(target=lambda: (save.begin(), save.clean_up_killed_saves(), save.abort()), daemon=True)
     done.start()
     done.join(10)
     if done.is_alive():  # unblock the reader before failing
-        os.close(real_open(staging / LOCK, os.O_WRONLY | os.O_NONBLOCK))
-    assert not done.is_alive(), "the save blocked opening a FIFO"
-    assert (staging / LOCK).exists() and any("is a FIFO" in note for note in save.notes), save.notes
+        os.close(os.open(staging / LOCK, os.O_WRONLY | os.O_NONBLOCK))
+    assert not done.is_alive(), "the save blocked opening the lock"
+    assert os.path.lexists(staging / LOCK) and any(str(staging) in note for note in save.notes), save.notes

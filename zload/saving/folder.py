@@ -209,23 +209,35 @@ def _try_lock(fd: int) -> bool | None:
 
 def _open_lock(staging: str) -> int | None:
     """The lock file of a staging folder, open, or None if it has none: killed between making the
-    folder and the lock. Read-write where allowed (NFS locks want it), else read-only; never
-    waiting on a FIFO put in its place, which raises ``WriteError`` (no lock of ours)."""
+    folder and the lock. Read-write where allowed (NFS locks want it), else read-only, never
+    waiting on a FIFO. A lock that is not a regular file, or that cannot be opened (another
+    user's), raises ``WriteError``: whether its save still runs cannot be told, so it stays."""
     path = os.path.join(staging, LOCK)
-    for mode in (os.O_RDWR, os.O_RDONLY):
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _unknown_lock(path, staging, f"cannot be looked at ({e.strerror})") from e
+    problem = None
+    for flags in (os.O_RDWR, os.O_RDONLY) if stat.S_ISREG(mode) else ():
         try:
-            fd = os.open(path, mode | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except PermissionError:
+            fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            problem = f"cannot be opened ({e.strerror})"
             continue
-        except OSError:
-            return None
-        mode = os.fstat(fd).st_mode
+        mode = os.fstat(fd).st_mode  # a FIFO may have taken its place since the lstat
         if stat.S_ISREG(mode):
             return fd
         os.close(fd)
-        raise WriteError(f"{path} is {file_kind(mode)}, not the lock file a save makes; remove {staging} "
-                         "if no save of yours is running", path=path)
-    return None
+        break
+    raise _unknown_lock(path, staging, problem if stat.S_ISREG(mode) else
+                        f"is {file_kind(mode)}, not the lock file a save makes")
+
+
+def _unknown_lock(path: str, staging: str, problem: str) -> WriteError:
+    return WriteError(f"{path} {problem}: whether the save that made {staging} still runs cannot be told; "
+                      "remove that folder once no save into it runs", path=path)
 
 
 def _staging_folders(folder: str) -> list[str]:

@@ -92,10 +92,11 @@ def _plan(engine, model: list[Target], max_shard_size, rank: int, world: int):
     groups, targets, tensors, sources = [], [], [], {}
     for g, (params, values) in enumerate(zip(optimized_parameters(engine), hyperparameters(engine))):
         steps = {_step(state) for flat, state in zip(flats, states) if flat.group == g}
-        if len(steps) > 1:  # one step per group is what the format (and a resume) can hold
+        if len(steps) > 1:  # one step per group is what the format holds; ZeRO's ranks step together
             raise UnsupportedModelError(f"cannot save the optimizer state: the flat partitions of parameter group "
                                         f"{g} on rank {rank} have taken different numbers of steps "
-                                        f"({', '.join(map(str, sorted(steps, key=str)))})")
+                                        f"({', '.join(map(str, sorted(steps, key=str)))}), and the format "
+                                        "holds one per group; save with engine.save_checkpoint instead")
         try:
             values = plain(values, _number, f"the hyperparameters of parameter group {g}")
         except NotPlain as e:
