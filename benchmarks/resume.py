@@ -48,7 +48,13 @@ import tempfile
 import time
 
 from benchmarks.load import HERE, MB, REPO, exit_without_teardown, log
-from benchmarks.load.checkpoint import checkpoint_files, llama_config, parse_size_spec, warm_page_cache
+from benchmarks.load.checkpoint import (
+    checkpoint_files,
+    files_residency,
+    llama_config,
+    parse_size_spec,
+    warm_page_cache,
+)
 from benchmarks.load.report import save_results
 
 SAVE_WORLD = 2
@@ -86,16 +92,18 @@ def _rss() -> int:
 
 
 def _timed(call) -> dict:
-    """``call()``'s seconds, with the RSS before and the high-water mark after, on this rank."""
+    """``call()``'s seconds, with the RSS before and the high-water mark after, the minor page
+    faults and the kernel's CPU seconds (every thread's) on this rank."""
     import torch.distributed as dist
 
     dist.barrier()
-    before = _rss()
+    before, usage = _rss(), resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     result = call()
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "rss_before": before, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            * 1024, "result": result}
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {"seconds": seconds, "rss_before": before, "peak_rss": after.ru_maxrss * 1024, "result": result,
+            "minor_faults": after.ru_minflt - usage.ru_minflt, "kernel_seconds": after.ru_stime - usage.ru_stime}
 
 
 def _write(out: str, record: dict) -> None:
@@ -142,15 +150,17 @@ def resume(method: str, folder: str, out: str) -> None:
 
     engine, _ = _engine(os.path.join(folder, "config.json"), universal=method == "load_universal")
     if method == "load_universal":
-        _warm_in_ranks(_tag(folder) + "_universal")
+        _warm_in_ranks(_files_under(_tag(folder) + "_universal"))
         record = _timed(lambda: engine.load_checkpoint(os.path.join(folder, NATIVE))[0] and None)
     else:
         where = os.path.join(folder, NATIVE if method == "zload (native)" else ZLOAD)
-        files = checkpoint_files(_tag(folder), ".pt") if method == "zload (native)" else checkpoint_files(where)
-        _warm_in_ranks(os.path.dirname(files[0]))
+        files = checkpoint_files(_tag(folder), ".pt") if method == "zload (native)" else [
+            p for p in checkpoint_files(where) if os.path.basename(p).startswith("optimizer-")]
+        _warm_in_ranks(files)
         existing, new = _state_bytes(engine)
         record = dict(_timed(lambda: zload.load_into(engine, where, optimizer=True).bytes_read), new_state_bytes=new)
         record["floor_seconds"] = _floor_in_rank(files, existing, new)
+        record["floor_resident"] = files_residency(files)  # below 1: the floor read some from the disk
     _write(out, dict(record, digest=_digest(engine)))
 
 
@@ -290,15 +300,15 @@ def _files_under(folder: str) -> list[str]:
     return sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names)
 
 
-def _warm_in_ranks(folder: str) -> None:
-    """Read every file under ``folder`` into the page cache, the ranks sharing the reads, right
+def _warm_in_ranks(paths: list[str]) -> None:
+    """Read the files ``paths`` into the page cache, the ranks sharing the reads, right
     before the timed call: read before the engines were built, a file may have been pushed out
     while they took their memory (the kernel reclaims first what was read once), and the call
     would read it from the disk."""
     import torch.distributed as dist
 
     buffer = bytearray(CHUNK)
-    chunks = [(p, at) for p in _files_under(folder) for at in range(0, os.path.getsize(p), CHUNK)]
+    chunks = [(p, at) for p in paths for at in range(0, os.path.getsize(p), CHUNK)]
     for path, at in chunks[dist.get_rank()::dist.get_world_size()]:
         with open(path, "rb", buffering=0) as f:
             os.preadv(f.fileno(), [buffer], at)
@@ -326,6 +336,10 @@ def _per_rank(records: list[dict], speed: float | None = None) -> dict:
         out["new_state_bytes_ranks"] = [r["new_state_bytes"] for r in records]
         out["io_floor_seconds_ranks"] = [r["result"] / speed for r in records]
         out["io_floor_new_memory_seconds_ranks"] = [r["floor_seconds"] for r in records]
+        out["floor_resident_ranks"] = [r["floor_resident"] for r in records]
+    if "minor_faults" in records[0]:
+        out["minor_faults_ranks"] = [r["minor_faults"] for r in records]
+        out["kernel_seconds_ranks"] = [r["kernel_seconds"] for r in records]
     return out
 
 
@@ -343,7 +357,7 @@ def measure_size(name: str, weights: int, args) -> dict:
         log(f"{name} run {run + 1} ds_to_universal: {converts[-1]['seconds']:.2f} s")
         for world in args.worlds:
             digests = {}
-            for method in RESUMES:
+            for method in RESUMES[run % len(RESUMES):] + RESUMES[:run % len(RESUMES)]:  # each first once
                 try:
                     records = _torchrun(world, "--resume", method, folder)
                 except RuntimeError as e:  # DeepSpeed's universal load can run out of memory
@@ -371,22 +385,25 @@ def markdown(data: dict) -> str:
     lines = [f"Elastic resume from a ZeRO-3 bf16 AdamW checkpoint saved at W={SAVE_WORLD}, {data['host']['cpu']} "
              f"({data['host']['cpu_cores_usable']} CPUs usable), {data['date']}, zload source {data['zload_source']}",
              "", "| weights (files: native; zload) | W' | step | seconds (slowest rank) | I/O floor s: into "
-             "existing / new memory (slowest rank) | peak RSS MB per rank | rise MB per rank |",
-             "|---|---:|---|---:|---:|---|---|"]
+             "existing / new memory (slowest rank) | minor faults, kernel s (slowest rank) | peak RSS MB per rank "
+             "| rise MB per rank |", "|---|---:|---|---:|---:|---:|---|---|"]
 
     def row(size, world, step, m):
         if "failed" in m:
-            lines.append(f"| {size} | {world} | {step} | failed: {m['failed']} | | | |")
+            lines.append(f"| {size} | {world} | {step} | failed: {m['failed']} | | | | |")
             return
-        floors = "–"
+        floors, faults = "–", "–"
         if "io_floor_seconds_ranks" in m:
-            floors = (f"{max(m['io_floor_seconds_ranks']):.2f} / {max(m['io_floor_new_memory_seconds_ranks']):.2f} "
-                      f"({m['seconds'] / max(m['io_floor_seconds_ranks']):.1f}x / "
-                      f"{m['seconds'] / max(m['io_floor_new_memory_seconds_ranks']):.2f}x)")
+            existing, new = max(m["io_floor_seconds_ranks"]), max(m["io_floor_new_memory_seconds_ranks"])
+            evicted = min(r if r is not None else 1.0 for r in m["floor_resident_ranks"]) < 0.99
+            floors = (f"{existing:.2f} / {new:.2f} ({m['seconds'] / existing:.1f}x / "
+                      + ("files partly evicted: no ratio)" if evicted else f"{m['seconds'] / new:.2f}x)"))
+        if "minor_faults_ranks" in m:
+            faults = f"{max(m['minor_faults_ranks']):,}, {max(m['kernel_seconds_ranks']):.1f}"
         peaks = ", ".join(f"{p / MB:,.0f}" for p in m.get("peak_rss_ranks", [m.get("peak_rss", 0)]))
         rises = ", ".join(f"{(p - b) / MB:,.0f}" for p, b in zip(m.get("peak_rss_ranks", []),
                                                                    m.get("rss_before_ranks", [])))
-        lines.append(f"| {size} | {world} | {step} | {m['seconds']:.2f} | {floors} "
+        lines.append(f"| {size} | {world} | {step} | {m['seconds']:.2f} | {floors} | {faults} "
                      f"| {peaks} | {rises or '–'} |")
 
     for r in data["results"]:
@@ -403,7 +420,7 @@ def markdown(data: dict) -> str:
             for method in ("zload (native)", "zload (zload.save)"):
                 if "failed" not in by[method]:
                     lines.append(f"| {size} | {world} | {method} / (ds_to_universal + load_universal) | "
-                                 f"{by[method]['seconds'] / ds:.3f} | | | |")
+                                 f"{by[method]['seconds'] / ds:.3f} | | | | |")
     lines += ["", f"Command: `{data['command']}`. Median run. Seconds: the call alone on each rank (the engine "
               "built before it), the slowest rank; ds_to_universal: the whole command (one process and its "
               "workers). I/O floors: the rank's bytes read at the speed one process alone reads the files from "
@@ -411,9 +428,12 @@ def markdown(data: dict) -> str:
               "right after its resume with all ranks at once and as many reader threads, to read as many bytes of "
               "the same files, those of the Adam states the engine had no memory for (it has taken no step) into "
               "memory allocated then, its pages faulted in as it goes (in brackets, the step's time over each "
-              "floor). Peak RSS: the "
-              "high-water mark after the step; rise: that minus the RSS before it. The first run checks that "
-              "every rank's masters, exp_avg, exp_avg_sq and steps are bit-identical across the three resumes."]
+              "floor; no ratio where the page cache had lost part of the files by the floor's end). Minor faults "
+              "and kernel s: the call's page faults and its threads' kernel CPU seconds. The methods run in "
+              "another order in each run, each first once in three. The save rows: timed once, when the cache's "
+              "checkpoint was written. Peak RSS: the high-water mark after the step; rise: that minus the RSS "
+              "before it. The first run checks that every rank's masters, exp_avg, exp_avg_sq and steps are "
+              "bit-identical across the three resumes."]
     return "\n".join(lines) + "\n"
 
 

@@ -215,12 +215,16 @@ def evict_page_cache(folder: str, how: str = "fadvise") -> dict:
 
 def page_cache_residency(folder: str, suffix: str = ".safetensors") -> float | None:
     """Fraction of the checkpoint's bytes in the page cache (util-linux ``fincore``), if available."""
+    return files_residency(checkpoint_files(folder, suffix))
+
+
+def files_residency(paths: list[str]) -> float | None:
+    """Fraction of the bytes of ``paths`` in the page cache (util-linux ``fincore``), if available."""
     if not shutil.which("fincore"):
         return None
     try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE",
-                              *checkpoint_files(folder, suffix)], capture_output=True, text=True, check=True,
-                             timeout=60).stdout
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE", *paths],
+                             capture_output=True, text=True, check=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     res = size = 0

@@ -68,6 +68,16 @@ def test_resume_matches_deepspeeds_universal_resume_fp16_and_offload(saved, stag
         assert reference[0].loss_scale == saved(2, stage, dtype, offload, groups)[1][0].loss_scale
 
 
+@pytest.mark.parametrize("how", ["native", "zload"])
+def test_a_bf16_run_resumed_in_fp16_keeps_the_engines_loss_scale(saved, how):
+    """bf16's loss scale is a static 1: set on an fp16 engine's dynamic scaler, fp16 gradients
+    would underflow. The engine keeps its configured first scale (2**4 here), and trains on."""
+    folder, _ = saved(2, 2, "bf16")
+    resumed = worlds.resume(folder, 2, 2, "fp16", how=how, steps=1)
+    assert [r.loss_scale for r in resumed] == [2.0 ** 4] * 2
+    assert all(len(r.losses) == 1 and r.losses[0] == r.losses[0] for r in resumed)  # a finite loss, not NaN
+
+
 def test_resume_with_groups_goes_on_as_the_run_did(saved):
     """ZeRO-3 with decay and no-decay groups, resumed at the world size it saved at: what the run
     held when it saved, and the same next losses as the run that went on."""
