@@ -141,6 +141,16 @@ def test_unknown_repo_offline_says_how_to_download(cache):
     assert "HF_HUB_OFFLINE=1 is set" in message and "`hf download other-org/missing`" in message
 
 
+def test_a_repo_with_only_pytorch_weights_says_how_to_convert_them(cache):
+    """The snapshot holds no .bin (only safetensors are fetched), so the repo's listing, which
+    huggingface_hub cached while downloading, says what it holds instead."""
+    populate(cache, fill=lambda folder: (folder.mkdir(parents=True),
+                                         (folder / "config.json").write_text('{"model_type": "tiny"}')))
+    with pytest.raises(zload.CheckpointNotFoundError) as info:
+        zload.load_into(torch.nn.Linear(2, 2), REPO)
+    assert "pytorch_model.bin" in str(info.value) and "save_pretrained" in str(info.value), str(info.value)
+
+
 def test_local_path_with_revision_is_refused(tmp_path):
     save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(zload.ArgumentValueError, match="revision='main' applies to Hub repo ids only"):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..distributed import Problem, agree, rank_and_world, speaks_for_all
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .files import OpenFile, header_only
-from .index import MAX_INDEX_BYTES, header_length
+from .index import MAX_INDEX_BYTES, header_length, pytorch_weights_hint
 
 logger = logging.getLogger("zload")
 
@@ -60,10 +60,29 @@ def download(path: str, revision: str | None, also: tuple[str, ...] = ()) -> str
     agree(problems, what)  # the others wait here until their node's local rank 0 has downloaded
     if not first:
         local = fetch(True)  # already downloaded: read the same snapshot from the shared cache
+    if local is not None:
+        problems += _pytorch_weights_only(path, revision, local)
     agree(problems, what)
     if speaks_for_all():
         logger.info("Hub repo %s (revision %s) resolved to %s", path, revision or "main", local)
     return local
+
+
+def _pytorch_weights_only(repo: str, revision: str | None, local: str) -> list[Problem]:
+    """When the snapshot ``local`` holds no safetensors because the repo has PyTorch ``.bin``
+    weights only (which are not fetched), the problem that says so and what to do: the repo's
+    files are listed from huggingface_hub's cache of its tree, which the download filled."""
+    try:
+        if any(name.endswith(".safetensors") for name in os.listdir(local)):
+            return []
+        from huggingface_hub import get_cached_repo_tree
+
+        names = [f.path for f in get_cached_repo_tree(repo, revision=revision)]
+    except Exception:  # an older huggingface_hub, or no listing cached: the load's own error stands
+        return []
+    hint = pytorch_weights_hint(names, repr(repo))
+    return [Problem.of(CheckpointNotFoundError(f"Hub repo '{repo}' (revision {revision or 'main'}) has no "
+                                               f"safetensors weights{hint}", path=repo))] if hint else []
 
 
 def _check_repo_id(path: str) -> None:

@@ -18,7 +18,7 @@ from math import prod
 from urllib.parse import quote
 
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidCheckpointError
-from ..report import brief
+from ..report import brief, shortened
 from .files import FileTable, OpenFile, open_regular
 
 # safetensors dtype code -> (torch dtype attribute name, bytes per element)
@@ -429,3 +429,15 @@ def index_from_weight_map(index_path: str, table: FileTable, missing_ok: bool,
     mapped = hashlib.sha256(repr(sorted((name, key[shard]) for name, shard in weight_map.items())).encode())
     return CheckpointIndex(index_path, tuple(key[s] for s in shards), tensors,
                            tuple(key[s] for s in sorted(absent)), table, folder, mapped.hexdigest())
+
+
+def pytorch_weights_hint(names, source: str = "FOLDER") -> str:
+    """What to do about the PyTorch ``.bin`` weights among ``names`` (the files of ``source``, a
+    folder or a Hub repo id): "" if none."""
+    found = sorted(n for n in names if n.endswith(".bin.index.json") or (n.endswith(".bin") and "model" in n))
+    if not found:
+        return ""
+    return (f"; it holds PyTorch .bin weights ({shortened(found, 3)}), and zload reads safetensors only: "
+            f"convert them once with transformers, e.g. AutoModelForCausalLM.from_pretrained({source})"
+            ".save_pretrained(OUT) (transformers 4: save_pretrained(OUT, safe_serialization=True)), "
+            "then load OUT")

@@ -23,7 +23,14 @@ from ..errors import (
 from ..report import shortened
 from .files import FileTable, open_regular, refuse_irregular, stat_path
 from .hub import RemoteRepo, download, remote_repo
-from .index import INDEX_FILE, SINGLE_FILE, CheckpointIndex, index_from_weight_map, parse_header
+from .index import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointIndex,
+    index_from_weight_map,
+    parse_header,
+    pytorch_weights_hint,
+)
 from .native import LATEST, native_folder, open_native
 from .quantized import CONFIG_FILE
 
@@ -70,17 +77,6 @@ def _start_name(folder: str, holds: Callable[[str], bool], listing: Callable[[],
         raise InvalidCheckpointError(f"{folder}: expected {INDEX_FILE} or {SINGLE_FILE}; found "
                                      f"{shortened(indexes + singles)}", path=folder)
     return None  # no safetensors: perhaps a DeepSpeed checkpoint
-
-
-def pytorch_weights_hint(names) -> str:
-    """What to do about the PyTorch ``.bin`` weights among ``names`` (a folder's): "" if none."""
-    found = sorted(n for n in names if n.endswith(".bin.index.json") or (n.endswith(".bin") and "model" in n))
-    if not found:
-        return ""
-    return (f"; it holds PyTorch .bin weights ({shortened(found, 3)}), and zload reads safetensors only: "
-            "convert them once with transformers, e.g. AutoModelForCausalLM.from_pretrained(FOLDER)"
-            ".save_pretrained(OUT) (transformers 4: save_pretrained(OUT, safe_serialization=True)), "
-            "then load OUT")
 
 
 class IndexReader(Protocol):
@@ -167,7 +163,7 @@ def _remote_index(remote: RemoteRepo, table: FileTable) -> CheckpointIndex:
     start = _start_name(where, set(names).__contains__, lambda: names)
     if start is None:
         raise CheckpointNotFoundError(f"{where}: the Hub repo holds neither {INDEX_FILE} nor {SINGLE_FILE}"
-                                      + pytorch_weights_hint(names), path=remote.repo)
+                                      + pytorch_weights_hint(names, repr(remote.repo)), path=remote.repo)
     hint = pytorch_weights_hint([start])
     if hint:
         raise InvalidCheckpointError(f"{remote.url(start)}: not a safetensors file or index{hint}", path=start)
