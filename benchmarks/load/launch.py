@@ -41,13 +41,22 @@ def scratch_folders():
     """This process's temporary folders, ``(snapshot, logs)``: a copy of zload's sources that every
     worker imports from, so that an edit of the working tree (an editable install) during a long run
     cannot mix two versions, and the measured worlds' logs. Both are removed at the end, but for the
-    logs of a run that failed: its error names the log of the world that failed."""
+    logs of a run that failed: its error names the log of the world that failed.
+
+    The snapshot is compiled to bytecode, as ``pip install`` compiles an installed package (and as
+    transformers and DeepSpeed are here): otherwise every fresh world compiles zload's sources while
+    it is timed, 60-90 ms a rank on this project's CPU machine, which no installed zload pays
+    (benchmarks/README.md, the construct + load target)."""
+    import compileall
+
     import zload
 
     snapshot = tempfile.mkdtemp(prefix="zload-bench-src-")
     try:
         shutil.copytree(os.path.dirname(os.path.abspath(zload.__file__)), os.path.join(snapshot, "zload"),
                         ignore=shutil.ignore_patterns("__pycache__"))
+        if not compileall.compile_dir(os.path.join(snapshot, "zload"), quiet=1):
+            raise RuntimeError(f"could not compile zload's sources in {snapshot}")
         logs = tempfile.mkdtemp(prefix="zload-bench-logs-")
         try:
             yield snapshot, logs

@@ -46,6 +46,17 @@ def test_scratch_folders_go_but_for_the_logs_of_a_failed_run(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == [Path(logs)] and Path(logs, "w2.log").exists()
 
 
+def test_scratch_folders_snapshot_is_compiled_as_an_install_is(tmp_path, monkeypatch):
+    """Every module of the snapshot has current bytecode beside it, so that a measured world does
+    not compile zload's sources in its timed load (``PYTHONDONTWRITEBYTECODE`` or not)."""
+    import importlib.util
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with scratch_folders() as (snapshot, _):
+        sources = list(Path(snapshot, "zload").rglob("*.py"))
+        assert sources and all(Path(importlib.util.cache_from_source(str(s))).is_file() for s in sources)
+
+
 def test_timed_stages_puts_back_what_it_timed():
     """The load benchmark times zload's stages by wrapping its functions for one load; after it
     they are zload's own again, and each call was counted to its stage."""
