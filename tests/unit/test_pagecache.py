@@ -89,15 +89,15 @@ def test_cached_says_whether_a_spans_first_pages_are_resident(big_file):
         os.close(fd)
 
 
-def read_in_pieces(path, data, pieces: int = 4) -> list[tuple[int, int]]:
+def read_in_pieces(path, data, pieces: int = 4, in_order: bool = False) -> list[tuple[int, int]]:
     """Read the tensor in ``pieces`` equal parts (the strided ranges of one rank, say), none
-    file-contiguous with the one before, through a RangeReader; check every byte, and return the
-    parts' (offset, length) in the file."""
+    file-contiguous with the one before unless ``in_order``, through a RangeReader; check every
+    byte, and return the parts' (offset, length) in the file."""
     index = open_checkpoint(path)
     entry = index.tensors["x"]
     out = torch.zeros_like(data)
     view, piece = byte_view(out), entry.nbytes // pieces
-    order = list(range(0, pieces, 2)) + list(range(1, pieces, 2))  # no two pieces file-contiguous
+    order = list(range(pieces)) if in_order else list(range(0, pieces, 2)) + list(range(1, pieces, 2))
     try:
         with RangeReader(index.opened) as reader:
             reader.read([(entry.file, entry.start + q * piece, view[q * piece:(q + 1) * piece])
@@ -178,13 +178,46 @@ def test_a_warm_read_gives_no_hint(big_file, hints, pulls, monkeypatch, readers)
     assert hints == [] and pulls == []
 
 
-def test_a_rank_with_two_reader_threads_gives_no_hint(big_file, hints, pulls, monkeypatch):
+def test_a_rank_with_two_reader_threads_of_a_larger_world_neither_hints_nor_pulls(big_file, hints, pulls,
+                                                                                    monkeypatch):
     """Its readers keep two requests in flight already; hints beside them made cold loads slower."""
     path, data = big_file
     skip_unless_evictable(path)
     monkeypatch.setattr(execute_module, "reader_count", lambda: 2)
+    monkeypatch.setattr(execute_module, "rank_and_world", lambda: (0, 2))
     read_in_pieces(path, data)
     assert hints == [] and pulls == []
+
+
+def test_a_world_of_one_streams_ahead_of_its_reader_threads_and_never_hints(big_file, hints, pulls,
+                                                                            monkeypatch):
+    """Its rank reads every byte of a whole checkpoint: one stream ahead of two reader threads
+    made cold loads faster (benchmarks/README.md, "How a cold load reads"). Ranges too far apart
+    to stream through are left to the readers, not hinted."""
+    path, data = big_file
+    skip_unless_evictable(path)
+    monkeypatch.setattr(execute_module, "reader_count", lambda: 2)
+    monkeypatch.setattr(execute_module, "_RUN_BYTES", MB)  # runs the two threads share
+    pieces = read_in_pieces(path, data, in_order=True)
+    assert pulls[0][0] == pieces[0][0] and sum(length for _, length in pulls) == 6 * MB
+    assert all(offset + length == following for (offset, length), (following, _) in zip(pulls, pulls[1:]))
+    assert hints == []
+    pulls.clear()
+    evict(path)
+    read_in_pieces(path, data)  # 0, 2, 1, 3: gaps of a quarter, beyond what is streamed through
+    assert hints == []
+
+
+def test_read_ahead_without_hints_leaves_spans_far_apart_to_the_readers(recorded, monkeypatch):
+    events, fd = recorded
+    monkeypatch.setattr(pagecache, "PULL_GAP_BYTES", 100)
+    ahead = pagecache.ReadAhead(MB, hints=False)
+    try:
+        ahead.extend([(fd, 0, 10), (fd, 10, 10), (fd, 500_000, 10)])
+        ahead.reached(2)  # returns: the far span counts as brought
+        assert settled(events, [("pull", 0, 10), ("pull", 10, 10)])
+    finally:
+        ahead.close()
 
 
 @pytest.fixture

@@ -181,14 +181,16 @@ class ReadAhead:
     span ``i``, which waits until the span has been pulled or hinted. A span is pulled, with the
     gap before it when that is at most ``PULL_GAP_BYTES`` or what ``gap_ranks`` spans as long as
     its neighbours fill (the node's other ranks, when the whole world is on this node: their reads
-    fill the gaps); a span with no neighbour that close on either side is hinted. The spans of a
+    fill the gaps); a span with no neighbour that close on either side is hinted, unless ``hints``
+    is False (beside reader threads of its own, whose requests hints split). The spans of a
     file that does not look ``uncached`` when they are appended are never looked at again (a warm
     load starts no thread). ``close`` before the descriptors are closed. A window of 0 brings
     nothing."""
 
-    def __init__(self, window: int, gap_ranks: int = 0):
+    def __init__(self, window: int, gap_ranks: int = 0, hints: bool = True):
         self.window = window
         self.gap_ranks = max(0, gap_ranks)
+        self.hints = hints
         self.spans: list[tuple[int, int, int] | None] = []  # None: taken as cached
         self.starts = [0]  # bytes of the reading order before span i
         self.position = 0  # where the reader is
@@ -269,6 +271,10 @@ class ReadAhead:
         span beside the gap) fill it, or it is small."""
         return 0 <= span[1] - end <= max(PULL_GAP_BYTES, self.gap_ranks * max(span[2], neighbour))
 
+    def _hint(self, fd: int, offset: int, length: int) -> None:
+        if self.hints:
+            prefetch(fd, offset, length)
+
     def _pull_or_hint(self, span: tuple[int, int, int], following) -> None:
         """Pull the span, from the end of the stream so far in its file when the gap is in reach;
         hint it instead when it stands alone (no neighbour in reach on either side: for spans far
@@ -280,15 +286,15 @@ class ReadAhead:
         if start <= offset and offset + length <= end:
             return
         if offset < start:  # below the stream: hinted, and the stream goes on where it was
-            prefetch(fd, offset, length)
+            self._hint(fd, offset, length)
             return
         continues = start <= offset <= end or (offset > end >= 0 and self._in_reach(end, span, before))
         if not continues and not (following is not None and self._in_reach(offset + length, following, length)):
-            prefetch(fd, offset, length)
+            self._hint(fd, offset, length)
             return
         source = self._source(fd)
         if source is None:
-            prefetch(fd, offset, length)
+            self._hint(fd, offset, length)
             return
         try:
             for at in range(end if continues else offset, offset + length, _PULL_CHUNK):
@@ -299,7 +305,7 @@ class ReadAhead:
         except OSError:
             self.can_pull = False  # no sendfile here: hints from now on
             self._close_source()
-            prefetch(fd, offset, length)
+            self._hint(fd, offset, length)
 
     def _source(self, fd: int) -> int | None:
         """``fd``'s own description for pulling (the last file's is closed: the reading order
