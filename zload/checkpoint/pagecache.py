@@ -121,6 +121,28 @@ def forget(spans: list[tuple[int, int, int]]) -> None:
             pass
 
 
+STREAMED_READ_AHEAD_BYTES = 4 << 20  # the device read-ahead at which a stream beside readers pays
+
+
+def read_ahead_bytes(fd: int, sysfs: str = "/sys") -> int | None:
+    """How far the kernel reads ahead on the device that holds ``fd``'s file: the ``read_ahead_kb``
+    of its backing device (a disk, a mapped device, a network file system's mount), or of the disk
+    of its partition. None where ``sysfs`` does not say (not Linux, an overlay or a tmpfs)."""
+    try:
+        device = os.fstat(fd).st_dev
+    except OSError:
+        return None
+    name = f"{os.major(device)}:{os.minor(device)}"
+    for path in (os.path.join(sysfs, "class", "bdi", name, "read_ahead_kb"),
+                 os.path.join(sysfs, "dev", "block", name, "..", "queue", "read_ahead_kb")):
+        try:
+            with open(path) as f:
+                return int(f.read()) * 1024
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 PULL_GAP_BYTES = 1 << 20  # a gap this small is streamed through, whoever reads it
 _PULL_CHUNK = 16 << 20  # bytes per sendfile call
 _LOOK_AHEAD_SPANS = 4  # spans looked at for the next one above a span
@@ -175,22 +197,25 @@ def null_sink() -> int | None:
 
 
 class ReadAhead:
-    """Brings the uncached spans of a reading order into the page cache, up to ``window`` bytes
-    of it ahead of the reader, from a thread of its own. Spans are ``(fd, offset, length)``,
-    appended in the order they are read (``extend``); readers call ``reached(i)`` before they read
-    span ``i``, which waits until the span has been pulled or hinted. A span is pulled, with the
-    gap before it when that is at most ``PULL_GAP_BYTES`` or what ``gap_ranks`` spans as long as
-    its neighbours fill (the node's other ranks, when the whole world is on this node: their reads
-    fill the gaps); a span with no neighbour that close on either side is hinted, unless ``hints``
-    is False (beside reader threads of its own, whose requests hints split). The spans of a
+    """Brings the uncached spans of a reading order into the page cache, up to ``window`` bytes of
+    it ahead of the reader, from a thread of its own. Spans are ``(fd, offset, length)``, appended
+    in the order they are read (``extend``); readers call ``reached(i)`` before they read span
+    ``i``, which waits until the span has been pulled or hinted. A span is pulled, with the gap
+    before it when that is at most ``PULL_GAP_BYTES`` or what ``gap_ranks`` spans as long as its
+    neighbours fill (the node's other ranks, when the whole world is on this node: their reads fill
+    the gaps); a span with no neighbour that close on either side is hinted. ``alongside``: the
+    reader has threads of its own (a world of one, which reads every byte); then nothing is hinted
+    (hints split their requests), and a file is streamed only where its device reads ahead at least
+    ``STREAMED_READ_AHEAD_BYTES`` (one stream then keeps the device busy; at the 128 KiB that NVMe
+    drives read ahead by default, the readers' own requests keep more in flight). The spans of a
     file that does not look ``uncached`` when they are appended are never looked at again (a warm
     load starts no thread). ``close`` before the descriptors are closed. A window of 0 brings
     nothing."""
 
-    def __init__(self, window: int, gap_ranks: int = 0, hints: bool = True):
+    def __init__(self, window: int, gap_ranks: int = 0, alongside: bool = False):
         self.window = window
         self.gap_ranks = max(0, gap_ranks)
-        self.hints = hints
+        self.alongside = alongside
         self.spans: list[tuple[int, int, int] | None] = []  # None: taken as cached
         self.starts = [0]  # bytes of the reading order before span i
         self.position = 0  # where the reader is
@@ -209,7 +234,7 @@ class ReadAhead:
         if self.window > 0:
             for fd, offset, length in spans:
                 by_file.setdefault(fd, []).append((offset, length))
-        cold = {fd for fd, of_file in by_file.items() if uncached(fd, of_file)}
+        cold = {fd for fd, of_file in by_file.items() if uncached(fd, of_file) and self._streams_well(fd)}
         with self.changed:
             first = len(self.spans)
             for span in spans:
@@ -271,8 +296,11 @@ class ReadAhead:
         span beside the gap) fill it, or it is small."""
         return 0 <= span[1] - end <= max(PULL_GAP_BYTES, self.gap_ranks * max(span[2], neighbour))
 
+    def _streams_well(self, fd: int) -> bool:
+        return not self.alongside or (read_ahead_bytes(fd) or 0) >= STREAMED_READ_AHEAD_BYTES
+
     def _hint(self, fd: int, offset: int, length: int) -> None:
-        if self.hints:
+        if not self.alongside:
             prefetch(fd, offset, length)
 
     def _pull_or_hint(self, span: tuple[int, int, int], following) -> None:

@@ -4,17 +4,17 @@ Reads are issued in file order; runs of file-contiguous ranges become one ``os.p
 scatters the bytes to several buffers at once. A few reader threads take the runs one at a time
 (``preadv`` releases the GIL); the calling thread is one of them whenever it would otherwise wait,
 and there are no more of them than this rank's share of the CPUs, since reads from the page cache
-are memory copies that more threads than cores only slow down. A rank with one reader thread,
-and the rank of a world of one, has the runs the page cache lacks brought in ahead of it
-(``pagecache.ReadAhead``: streamed through the gaps between them in large requests), up to
-``READ_AHEAD_BYTES`` ahead of its reads, so that a cold load keeps the storage device busy; the
-runs of a file in a batch whose first, middle and last are cached are neither brought in nor
-looked at again. A range whose
-destination is a CPU tensor of the same dtype is read straight into the destination; the others
-land in one of two staging buffers and are copied (and cast) by ``kernels.scatter_cast``: while
-one buffer is being copied out, the next batch is read into the other. For GPU destinations the
-staging buffers are pinned and each batch goes to the device on its own CUDA stream, so reads,
-host-to-device copies and the kernel overlap without a per-tensor synchronisation.
+are memory copies that more threads than cores only slow down. A rank with one reader thread, and
+the rank of a world of one where its device reads ahead far enough, has the runs the page cache
+lacks brought in ahead of it (``pagecache.ReadAhead``: streamed through the gaps between them in
+large requests), up to ``READ_AHEAD_BYTES`` ahead of its reads, so that a cold load keeps the
+storage device busy; the runs of a file in a batch whose first, middle and last are cached are
+neither brought in nor looked at again. A range whose destination is a CPU tensor of the same dtype
+is read straight into the destination; the others land in one of two staging buffers and are copied
+(and cast) by ``kernels.scatter_cast``: while one buffer is being copied out, the next batch is
+read into the other. For GPU destinations the staging buffers are pinned and each batch goes to the
+device on its own CUDA stream, so reads, host-to-device copies and the kernel overlap without a
+per-tensor synchronisation.
 """
 
 from __future__ import annotations
@@ -155,12 +155,11 @@ class _Reader:
         self.read_files: set[str] = set()
         self.bytes_read = 0
         self.helpers = (reader_count() if threads is None else max(1, threads)) - 1
-        # reading ahead for a lone reader; beside reader threads only in a world of one rank, whose
-        # rank reads every byte, and with no hints: beside a second reader thread, hints slowed cold
-        # loads (benchmarks/README.md, "How a cold load reads")
-        lone = not self.helpers
-        self.read_ahead = ReadAhead(READ_AHEAD_BYTES if lone or rank_and_world()[1] == 1 else 0,
-                                    gap_ranks(), hints=lone)
+        # reading ahead for a lone reader, and alongside reader threads in a world of one, whose
+        # rank reads every byte (benchmarks/README.md, "How a cold load reads")
+        one_world = rank_and_world()[1] == 1
+        self.read_ahead = ReadAhead(READ_AHEAD_BYTES if not self.helpers or one_world else 0, gap_ranks(),
+                                    alongside=bool(self.helpers))
         self.pool = ThreadPoolExecutor(self.helpers, thread_name_prefix="zload-read") \
             if self.helpers else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
