@@ -239,6 +239,8 @@ def test_read_ahead_bytes_is_the_backing_devices_or_its_disks(tmp_path):
 
 
 def test_read_ahead_alongside_readers_leaves_spans_far_apart_to_them(recorded, monkeypatch):
+    """A hint would split the readers' own requests; the far span counts as brought, so a reader
+    reaching it does not wait."""
     events, fd = recorded
     monkeypatch.setattr(pagecache, "PULL_GAP_BYTES", 100)
     monkeypatch.setattr(pagecache, "read_ahead_bytes", lambda fd: 8 << 20)

@@ -8,9 +8,11 @@ cache in order, through the gaps that the node's other ranks read anyway, with `
 ``/dev/null`` (no copy) from an open file description of its own, so that the kernel sees one
 sequential reader and fetches in fewer, larger requests than a hint for each range gets (counted
 in benchmarks/README.md, "How a cold load reads"); the reader copies each range once it has been
-pulled. ``posix_fadvise(WILLNEED)`` hints remain for ranges too far apart to stream
-through, and wherever ``sendfile`` or ``/proc/self/fd`` are missing: they fetch in single pages,
-which the device serves in smaller requests.
+pulled. A lone reader's ranges too far apart to stream through are hinted instead
+(``posix_fadvise(WILLNEED)``), as are all of them wherever ``sendfile`` or ``/proc/self/fd`` are
+missing: hints fetch in single pages, which the device serves in smaller requests. Beside reader
+threads of its own (a world of one) nothing is hinted, and the stream runs only where the device
+reads ahead far (``read_ahead_bytes``).
 
 Pages that a small read leaves in the cache break the kernel's large requests around them (its
 readahead falls back to single pages after it meets a cached one), so what ``sample_digests``
@@ -121,13 +123,17 @@ def forget(spans: list[tuple[int, int, int]]) -> None:
             pass
 
 
-STREAMED_READ_AHEAD_BYTES = 4 << 20  # the device read-ahead at which a stream beside readers pays
+# the device read-ahead at which a stream beside readers pays: measured on one virtual disk that
+# reads ahead 8 MiB only (benchmarks/README.md); a fast array reading ahead this much may be
+# quicker with its readers alone, not measured
+STREAMED_READ_AHEAD_BYTES = 4 << 20
 
 
 def read_ahead_bytes(fd: int, sysfs: str = "/sys") -> int | None:
     """How far the kernel reads ahead on the device that holds ``fd``'s file: the ``read_ahead_kb``
     of its backing device (a disk, a mapped device, a network file system's mount), or of the disk
-    of its partition. None where ``sysfs`` does not say (not Linux, an overlay or a tmpfs)."""
+    of its partition. None where ``sysfs`` does not say: an overlay, a tmpfs, btrfs or ZFS (their
+    devices are anonymous), no sysfs."""
     try:
         device = os.fstat(fd).st_dev
     except OSError:

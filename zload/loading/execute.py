@@ -157,8 +157,8 @@ class _Reader:
         self.helpers = (reader_count() if threads is None else max(1, threads)) - 1
         # reading ahead for a lone reader, and alongside reader threads in a world of one, whose
         # rank reads every byte (benchmarks/README.md, "How a cold load reads")
-        one_world = rank_and_world()[1] == 1
-        self.read_ahead = ReadAhead(READ_AHEAD_BYTES if not self.helpers or one_world else 0, gap_ranks(),
+        world_of_one = rank_and_world()[1] == 1
+        self.read_ahead = ReadAhead(READ_AHEAD_BYTES if not self.helpers or world_of_one else 0, gap_ranks(),
                                     alongside=bool(self.helpers))
         self.pool = ThreadPoolExecutor(self.helpers, thread_name_prefix="zload-read") \
             if self.helpers else None
