@@ -330,10 +330,11 @@ def _join() -> None:
     ``MASTER_ADDR`` and ``MASTER_PORT``: then no other process will come, and joining the job's
     group would wait for half an hour, or worse, join it. So the processes meet first under their
     own names in the job's store (``zload-convert/...``, apart from the job's own keys) and wait for
-    each other ``RENDEZVOUS_TIMEOUT`` seconds at most; only ``INHERITED_TIMEOUT`` where the parent
-    process holds the same launch variables (``_inherited_from``: a launcher sets them for the
-    processes it starts, not in its own environment). Whoever does not meet them all raises a
-    ``PeerLostError`` saying what to do: ``--single-process``, or launching the processes together.
+    each other ``RENDEZVOUS_TIMEOUT`` seconds at most; only ``INHERITED_TIMEOUT`` where a Python
+    process that started this one holds the same launch variables (``_inherited_from``: a launcher
+    sets them for the processes it starts, not in its own environment, and a shell it starts is
+    looked through). Whoever does not meet them all raises a ``PeerLostError`` saying what to do:
+    ``--single-process``, or launching the processes together.
     """
     from datetime import timedelta
 
@@ -365,19 +366,49 @@ def _join() -> None:
 
 
 def _inherited_from() -> int | None:
-    """The parent process's id if its environment (as it started: ``/proc``) holds this one's
-    launch variables (``_LAUNCH``): it is a process of the job that started this one (a worker,
-    or a shell a worker started). None otherwise, or where ``/proc`` cannot tell."""
-    parent = os.getppid()
+    """The id of the nearest Python process among this one's ancestors whose environment (as it
+    started: ``/proc``) holds this one's launch variables (``_LAUNCH``), up through wrappers that
+    hold them too (a shell, ``timeout``, ``uv run``): a worker of the job, which started this one
+    and whose variables it inherited. None when an ancestor without them comes first (a launcher
+    sets them for the processes it starts, not in its own environment), or where ``/proc`` cannot
+    tell."""
+    pid = os.getppid()
+    while pid > 1:
+        environ = _environ_of(pid)
+        if environ is None or any(environ.get(name) != (None if os.environ.get(name) is None else
+                                                        os.fsencode(os.environ[name])) for name in _LAUNCH):
+            return None
+        if _runs_python(pid):
+            return pid
+        pid = _parent_of(pid)
+    return None
+
+
+def _environ_of(pid: int) -> dict[str, bytes] | None:
     try:
-        with open(f"/proc/{parent}/environ", "rb") as f:
+        with open(f"/proc/{pid}/environ", "rb") as f:
             pairs = [item.split(b"=", 1) for item in f.read().split(b"\0")]
     except OSError:
         return None
-    environ = {key.decode(errors="replace"): value for key, value in (p for p in pairs if len(p) == 2)}
-    same = all(environ.get(name) == (None if os.environ.get(name) is None else os.fsencode(os.environ[name]))
-               for name in _LAUNCH)
-    return parent if same else None
+    return {key.decode(errors="replace"): value for key, value in (p for p in pairs if len(p) == 2)}
+
+
+def _runs_python(pid: int) -> bool:
+    """Whether the process runs a Python interpreter; True where that cannot be told (the short
+    wait stays the answer for an unknown ancestor)."""
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith(("python", "pypy"))
+    except OSError:
+        return True
+
+
+def _parent_of(pid: int) -> int:
+    """The process's parent (``/proc/PID/stat``, after the command name in brackets); 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _not_joined(world: int, timeout: int, parent: int | None, missing: list[int] | None, e: Exception) -> str:
@@ -386,8 +417,8 @@ def _not_joined(world: int, timeout: int, parent: int | None, missing: list[int]
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     absent = (f"process{'es' if len(missing) > 1 else ''} of rank {shortened([str(r) for r in missing])} did not come"
               if missing else f"the group's store at {where} could not be used ({detail})")
-    cause = (f"its parent process ({parent}) holds the same variables: a process of a distributed job "
-             "started this one, which inherited them" if parent else "the other processes were not started with it")
+    cause = (f"process {parent}, which started this one, holds the same variables: a process of a distributed "
+             "job, whose variables this one inherited" if parent else "the other processes were not started with it")
     return (f"this zload convert's environment (RANK={os.environ.get('RANK')}, WORLD_SIZE={world}, "
             f"MASTER_ADDR:MASTER_PORT={where}) says it is one of {world} processes, but within {timeout} s the "
             f"{absent}; {cause}. To convert in this one process, pass --single-process (or set "

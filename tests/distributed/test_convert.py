@@ -472,8 +472,30 @@ def test_convert_from_inside_a_torchrun_worker_fails_within_seconds(zero3_w2, tm
            str(tmp_path / "worker.py"), str(zero3_w2.folder), str(tmp_path / "out")]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    _assert_fails_within_seconds(json.loads(done.stdout.strip().splitlines()[-1]), tmp_path / "out",
-                                 "within 5 s the process of rank 1 did not come; its parent process (")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    _assert_fails_within_seconds(result, tmp_path / "out", "within 5 s the process of rank 1 did not come; process ")
+    assert ", which started this one, holds the same variables: a process of a distributed job" in result[2]
+
+
+WRAPPER = """
+[ "$RANK" = 1 ] && sleep 8
+"$PYTHON" -m zload convert "$@"
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_of_a_shell_wrapper_gives_its_processes_time_to_meet(zero3_w2, tmp_path):
+    """torchrun starts a shell script that runs ``zload convert`` (not with exec): the shell holds
+    the launch variables too, but a launcher started it, so the processes wait for each other as
+    long as any launch's, and rank 1 coming 8 s late still converts."""
+    (tmp_path / "wrapper.sh").write_text(WRAPPER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python",
+           "sh", str(tmp_path / "wrapper.sh"), str(zero3_w2.folder), str(tmp_path / "out")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    zload.convert(zero3_w2.folder, tmp_path / "one")
+    assert _files(tmp_path / "out") == _files(tmp_path / "one")
 
 
 def _convert_with_rank_weights(folder, out):
