@@ -77,7 +77,7 @@ def _construction_targets(size, init, alloc, floor, transformers) -> list[str]:
         ratio = transformers["total_s"] / init["total_s"]
         out.append(f"{size}: zload.init + load_into >= 8x faster than from_pretrained under ZeRO-3: "
                    f"{met(ratio >= 8)} ({fmt_s(transformers['total_s'])} s vs {fmt_s(init['total_s'])} s = "
-                   f"{ratio:.1f}x)")
+                   f"{ratio:.2f}x)")
     worst, limit = init["max_construct_rss_growth"], init["partition_bytes"] + SLACK
     out.append(f"{size}: zload.init RSS growth during construction <= this rank's partitions "
                f"({init['partition_bytes'] / MB:,.0f} MB) + 64 MB: {met(worst <= limit)} (worst rank of "
@@ -104,7 +104,7 @@ def _gpu_construction_targets(by_key: dict) -> list[str]:
             ratio = transformers["median"]["total_s"] / init["total_s"]
             out.append(f"{label}: zload.init + load_into >= 8x faster than from_pretrained under ZeRO-3: "
                        f"{met(ratio >= 8)} ({fmt_s(transformers['median']['total_s'])} s vs "
-                       f"{fmt_s(init['total_s'])} s = {ratio:.1f}x)")
+                       f"{fmt_s(init['total_s'])} s = {ratio:.2f}x)")
     return out
 
 
