@@ -50,7 +50,7 @@ def _in_collectives(ranks) -> tuple[float | None, float | None]:
 
 
 def _growth(ranks, segment, key="rss") -> float | None:
-    """The largest rise over ranks of ``key`` (rss, anon) within ``segment``, if measured."""
+    """The largest rise over ranks of ``key`` (rss, gpu) within ``segment``, if measured."""
     values = [r["segments"][segment][f"{key}_peak"] - r["segments"][segment][f"{key}_before"]
               for r in ranks if f"{key}_peak" in r["segments"].get(segment, {})]
     return max(values) if values else None
@@ -65,11 +65,9 @@ def summarize_run(ranks: list[dict]) -> dict:
         "peak_rss": _max(ranks, "total", "rss_peak"),
         "rss_before_load": _max(ranks, "load", "rss_before"),
         "load_rss_growth": _growth(ranks, "load"),
-        "load_anon_growth": _growth(ranks, "load", "anon"),
         "construct_rss_growth": _growth(ranks, "construct"),
         "total_rss_growth": _growth(ranks, "total"),
         "partition_bytes": max(r.get("partition_bytes", 0) for r in ranks),
-        "peak_anon": _max(ranks, "total", "anon_peak"),
         "bytes_read": max(r.get("bytes_read", 0) for r in ranks),
         "bytes_read_by_rank": [r.get("bytes_read", 0) for r in ranks],
         "collective_received_load": _max(ranks, "load", "comm_received"),
@@ -85,7 +83,6 @@ def summarize_run(ranks: list[dict]) -> dict:
         "zload_file": ranks[0].get("zload_file"),
         "page_cache_resident": min((r["page_cache_resident"] for r in ranks
                                     if r.get("page_cache_resident") is not None), default=None),
-        "samples": min(r.get("samples", 0) for r in ranks),
         "verified": (None if any(r.get("verified") is None for r in ranks)
                      else all(r["verified"]["ok"] for r in ranks)),
     }
@@ -99,8 +96,8 @@ def summarize_run(ranks: list[dict]) -> dict:
     return run
 
 
-_MEDIAN_KEYS = ("load_s", "construct_s", "total_s", "peak_rss", "load_rss_growth", "load_anon_growth",
-                "construct_rss_growth", "total_rss_growth", "partition_bytes", "peak_anon", "bytes_read",
+_MEDIAN_KEYS = ("load_s", "construct_s", "total_s", "peak_rss", "load_rss_growth",
+                "construct_rss_growth", "total_rss_growth", "partition_bytes", "bytes_read",
                 "collective_received_load", "collective_received_total", "collective_s_load_own",
                 "collective_s_load_waited", "zload_sent_received", "rchar_load", "load_cpu_user", "load_cpu_system",
                 "reload_s", "gpu_peak", "load_gpu_growth", "construct_gpu_growth")

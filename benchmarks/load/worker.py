@@ -102,45 +102,35 @@ class CommCounter:
 
 
 class Meter:
-    """Timed, memory-sampled segments; begin/end synchronise all ranks (barriers)."""
+    """Timed segments and their peak RSS; begin/end synchronise all ranks (barriers).
+
+    Peaks come from the kernel's high-water mark (``VmHWM``), read and reset at every segment
+    boundary, so each peak is exact and belongs to the segments open when it happened. No thread
+    samples memory: one that did, every 5 ms, took turns with a rank's own work and changed the
+    times it was there to measure (benchmarks/README.md, construct + load)."""
 
     def __init__(self, counter: CommCounter, cuda: bool):
-        import psutil
-
-        self.process = psutil.Process()
         self.counter = counter
         self.cuda = cuda
         self.open: dict[str, dict] = {}
         self.done: dict[str, dict] = {}
-        self.lock = threading.Lock()
         self.before_load = None  # where set, called as the "load" segment begins, before its barrier
-        self.stop = threading.Event()
-        self.samples = 0
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
+        self._boundary()  # peaks count from here
 
-    def _memory(self) -> tuple[int, int]:
-        m = self.process.memory_info()  # /proc/self/statm: rss and its file-backed (shared) part
-        return m.rss, m.rss - m.shared
-
-    def _sample(self) -> tuple[int, int]:
-        rss, anon = self._memory()
-        with self.lock:
-            self.samples += 1
-            for seg in self.open.values():
-                seg["rss_peak"] = max(seg["rss_peak"], rss)
-                seg["anon_peak"] = max(seg["anon_peak"], anon)
-        return rss, anon
-
-    def _loop(self):
-        while not self.stop.wait(0.005):
-            self._sample()
-
-    @staticmethod
-    def _high_water() -> int:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    def _boundary(self) -> int:
+        """The RSS now. The peak since the last boundary goes to every segment open through it,
+        and the high-water mark is reset to the RSS now (``clear_refs`` 5, Linux 4.0 and later)."""
+        status = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    status[key] = int(value.split()[0]) * 1024  # kB
+        for seg in self.open.values():
+            seg["rss_peak"] = max(seg["rss_peak"], status["VmHWM"])
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return status["VmRSS"]
 
     @staticmethod
     def _rchar() -> int:
@@ -159,9 +149,8 @@ class Meter:
         if self.cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
-            with self.lock:
-                for seg in self.open.values():
-                    seg["gpu_peak"] = max(seg["gpu_peak"], peak)
+            for seg in self.open.values():
+                seg["gpu_peak"] = max(seg["gpu_peak"], peak)
 
     def begin(self, name: str) -> None:
         import torch
@@ -171,16 +160,14 @@ class Meter:
         if name == "load" and self.before_load:
             self.before_load()
         dist.barrier()
-        rss, anon = self._sample()
-        seg = {"rss_before": rss, "rss_peak": rss, "anon_before": anon, "anon_peak": anon,
-               "high_water_before": self._high_water(), "comm_before": self.counter.snapshot(),
+        rss = self._boundary()
+        seg = {"rss_before": rss, "rss_peak": rss, "comm_before": self.counter.snapshot(),
                "rchar_before": self._rchar(), "cpu_before": os.times(), "gpu_before": 0, "gpu_peak": 0}
         if self.cuda:
             seg["gpu_before"] = seg["gpu_peak"] = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         seg["t0"] = time.perf_counter()
-        with self.lock:
-            self.open[name] = seg
+        self.open[name] = seg
 
     def end(self, name: str) -> dict:
         import torch.distributed as dist
@@ -188,18 +175,13 @@ class Meter:
         self._fold_gpu()
         dist.barrier()
         seconds = time.perf_counter() - self.open[name]["t0"]
-        rss_after, anon_after = self._sample()
-        with self.lock:
-            seg = self.open.pop(name)
-        high_water = self._high_water()
-        if high_water > seg["high_water_before"]:  # a new lifetime peak, so it was reached in here
-            seg["rss_peak"] = max(seg["rss_peak"], high_water)
+        rss_after = self._boundary()
+        seg = self.open.pop(name)
         received, calls, spans = self.counter.snapshot()
         cpu_after = os.times()
         out = {
             "seconds": seconds,
             "rss_before": seg["rss_before"], "rss_peak": seg["rss_peak"], "rss_after": rss_after,
-            "anon_before": seg["anon_before"], "anon_peak": seg["anon_peak"], "anon_after": anon_after,
             "comm_received": received - seg["comm_before"][0], "comm_calls": calls - seg["comm_before"][1],
             "comm_spans": self.counter.spans[seg["comm_before"][2]:spans],
             "rchar": self._rchar() - seg["rchar_before"],
@@ -211,12 +193,6 @@ class Meter:
             out.update(gpu_before=seg["gpu_before"], gpu_peak=seg["gpu_peak"])
         self.done[name] = out
         return out
-
-    def close(self):
-        self.stop.set()
-        self.thread.join()
-
-
 
 
 def join_world() -> bool:
@@ -270,11 +246,10 @@ def worker_main(args) -> None:
             meter.before_load = lambda: resident.update(fraction=evict_page_cache(args.checkpoint)["resident_fraction"])
         result = RUNNERS[method](args.checkpoint, meter, args)
         result["page_cache_resident"] = resident["fraction"]
-        meter.close()
         segments = dict(meter.done)
         if "construct" not in segments and "load" in segments:
             segments["construct"] = {"seconds": segments["total"]["seconds"] - segments["load"]["seconds"]}
-        result.update(method=method, rank=rank, world=world, segments=segments, samples=meter.samples,
+        result.update(method=method, rank=rank, world=world, segments=segments,
                       partition_bytes=partition_bytes(args.checkpoint, getattr(torch, args.model_dtype)),
                       device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu",
                       backend=dist.get_backend(), omp_threads=torch.get_num_threads())

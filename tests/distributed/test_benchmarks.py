@@ -240,10 +240,40 @@ def test_a_cold_worker_empties_the_cache_again_as_its_timed_load_begins(tmp_path
         meter.before_load = lambda: calls.append(sorted(meter.open))
         for segment in ("total", "construct", "load"):
             meter.begin(segment)
-        meter.close()
     finally:
         dist.destroy_process_group()
     assert calls == [["construct", "total"]]  # once, before "load" opened
+
+
+def test_the_meter_runs_no_thread_and_gives_each_segment_its_own_peak(tmp_path):
+    """No thread samples memory beside the measured work (one that did changed the times); a peak
+    reached and left inside a segment counts for it and the segment around it, not for a segment
+    begun after it."""
+    import mmap
+    import threading
+
+    import torch.distributed as dist
+
+    from benchmarks.load.worker import CommCounter, Meter
+
+    mib = 1 << 20
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        threads = threading.active_count()
+        meter = Meter(CommCounter(), cuda=False)
+        assert threading.active_count() == threads
+        meter.begin("total")
+        meter.begin("first")
+        mmap.mmap(-1, 64 * mib, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE).close()
+        first = meter.end("first")
+        meter.begin("second")
+        second = meter.end("second")
+        total = meter.end("total")
+    finally:
+        dist.destroy_process_group()
+    assert first["rss_peak"] - first["rss_before"] >= 60 * mib
+    assert total["rss_peak"] >= first["rss_peak"]
+    assert second["rss_peak"] - second["rss_before"] < 8 * mib
 
 
 def test_cold_reads_benchmark_times_each_strategy_from_an_empty_cache(cache, tmp_path):
