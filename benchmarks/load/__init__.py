@@ -36,8 +36,8 @@ Run plainly, the script launches each world itself (``python -m torch.distribute
 rank below W starts one fresh worker process, and those workers form the measured world (NCCL and
 partitions on the GPUs when CUDA is available, else gloo on CPU).
 
-Each worker reports per rank: seconds (barrier to barrier, so the slowest rank's time), RSS
-(sampled every 5 ms by a thread, plus the kernel's high-water mark), bytes read and the bytes
+Each worker reports per rank: seconds (barrier to barrier, so the slowest rank's time), peak RSS
+(the kernel's high-water mark, reset at every segment boundary), bytes read and the bytes
 received through collectives (counted by wrapping torch.distributed's collectives). The parent
 takes the max over ranks of each run and the median over runs, and writes
 ``OUT/load-<name>.json``, ``.md`` and ``.png``.
