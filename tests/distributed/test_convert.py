@@ -89,6 +89,17 @@ def test_zero3_bf16_masters_as_deepspeed_writes_them(zero3_w2, tmp_path):
     assert (tmp_path / "out" / "config.json").read_bytes() == (zero3_w2.folder / "config.json").read_bytes()
 
 
+def test_dot_dot_after_a_link_goes_up_from_where_the_link_leads(zero3_w2, tmp_path):
+    """As for ``zload.save``: ``latest/../out`` with ``latest`` a link into ``runs/`` is
+    ``runs/out``, never ``./out``."""
+    (tmp_path / "runs" / "run-7").mkdir(parents=True)
+    (tmp_path / "latest").symlink_to(tmp_path / "runs" / "run-7")
+    zload.convert(zero3_w2.folder, tmp_path / "reference")
+    zload.convert(zero3_w2.folder, f"{tmp_path}/latest/../out")
+    assert not (tmp_path / "out").exists()
+    assert _files(tmp_path / "runs" / "out") == _files(tmp_path / "reference")
+
+
 def test_the_output_loads_with_transformers_alone(zero3_w2, tmp_path):
     """``from_pretrained`` without DeepSpeed gets every tensor, the tied head included, equal to
     DeepSpeed's reference: nothing missing, unexpected or re-initialised."""

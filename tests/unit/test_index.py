@@ -334,3 +334,17 @@ def test_unresolvable_path_is_refused(tmp_path, layout):
                 "no_safetensors": "no safetensors files",
                 "two_singles": "a.safetensors, b.safetensors"}[layout]
     assert expected in str(err.value)
+
+
+def test_dot_dot_after_a_link_reads_the_shards_beside_the_index(tmp_path):
+    """``latest/../ckpt``, with ``latest`` a link into ``runs/``, is ``runs/ckpt`` to the kernel,
+    which opens that index. Its shards were looked for in ``./ckpt`` (``os.path.abspath`` drops the
+    pair as text): another checkpoint's shards of the same names, loaded without a word."""
+    (tmp_path / "runs" / "run-7").mkdir(parents=True)
+    (tmp_path / "latest").symlink_to(tmp_path / "runs" / "run-7")
+    wanted = {"weight": torch.arange(6.0).reshape(2, 3), "bias": torch.ones(2)}
+    save_sharded(wanted, tmp_path / "runs" / "ckpt", shards=2)
+    save_sharded({k: -v for k, v in wanted.items()}, tmp_path / "ckpt", shards=2)  # not the one named
+    model = torch.nn.Linear(3, 2)
+    zload.load_into(model, f"{tmp_path}/latest/../ckpt")
+    assert torch.equal(model.weight.detach(), wanted["weight"]) and torch.equal(model.bias.detach(), wanted["bias"])

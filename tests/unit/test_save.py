@@ -32,3 +32,20 @@ def test_what_is_no_model_is_refused_naming_save(tmp_path, model):
     with pytest.raises(zload.ArgumentTypeError, match=r"^zload\.save expects an nn\.Module or a DeepSpeedEngine"):
         zload.save(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_dot_dot_after_a_link_goes_up_from_where_the_link_leads(tmp_path):
+    """``latest/../other``, with ``latest`` a link into ``runs/``, is ``runs/other`` to the kernel
+    and to ``save_pretrained``. Read as text (``os.path.abspath``) it was ``./other``, and the save
+    replaced the checkpoint there, which was not its target."""
+    real = tmp_path / "runs" / "run-7"
+    real.mkdir(parents=True)
+    (tmp_path / "latest").symlink_to(real)
+    zload.save(torch.nn.Linear(3, 2), tmp_path / "other")  # a checkpoint the save must not touch
+    before = {p.name: p.read_bytes() for p in (tmp_path / "other").iterdir()}
+    model = torch.nn.Linear(3, 2)
+    report = zload.save(model, f"{tmp_path}/latest/../other")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "other").iterdir()} == before
+    assert report.path == str(tmp_path / "runs" / "other")
+    assert torch.equal(load_file(str(tmp_path / "runs" / "other" / "model.safetensors"))["weight"],
+                       model.weight.detach())

@@ -32,6 +32,19 @@ class Identity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def absolute_path(path) -> str:
+    """``path`` made absolute as the kernel (and transformers) resolve it: ``..`` after a symbolic
+    link goes up from where the link leads. ``os.path.abspath`` drops such a pair as text and
+    names another folder (``latest/../other``, ``latest`` a link into ``runs/``: ``./other``, not
+    ``runs/other``), whose files a load would then read or a save replace. The last component is
+    kept as given, so that a link there is seen as a link (a Hub snapshot's file, a save target)."""
+    absolute = os.path.join(os.getcwd(), os.fspath(path)).rstrip(os.sep) or os.sep
+    parent, name = os.path.split(absolute)
+    if name in ("", os.curdir, os.pardir):  # the folder itself is named by the links above it
+        return os.path.realpath(absolute)
+    return os.path.join(os.path.realpath(parent), name)
+
+
 def file_kind(mode: int) -> str:
     """What a file of ``mode`` that is not a regular file is, for messages."""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..distributed import Problem, agree, rank_and_world, speaks_for_all
 from ..errors import CheckpointError, CheckpointNotFoundError
-from .files import OpenFile, header_only
+from .files import OpenFile, absolute_path, header_only
 from .index import MAX_INDEX_BYTES, header_length, pytorch_weights_hint
 
 logger = logging.getLogger("zload")
@@ -206,7 +206,7 @@ def _could_be_repo_id(path: str) -> bool:
 
 
 def _no_local(path: str) -> str:
-    return f"no such local file or folder: {os.path.abspath(path)}"
+    return f"no such local file or folder: {absolute_path(path)}"
 
 
 def _explain(e: Exception, repo: str, revision: str | None, local_files_only: bool) -> str:

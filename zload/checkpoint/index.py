@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidCheckpointError
 from ..report import brief, shortened
-from .files import FileTable, OpenFile, open_regular
+from .files import FileTable, OpenFile, absolute_path, open_regular
 
 # safetensors dtype code -> (torch dtype attribute name, bytes per element)
 DTYPES: Mapping[str, tuple[str, int]] = {
@@ -390,7 +390,7 @@ def index_from_weight_map(index_path: str, table: FileTable, missing_ok: bool,
     """The checkpoint of the index ``index_path``: its shards opened with ``open_file`` (a path in
     the index's folder -> the file opened; ``CheckpointNotFoundError`` if there is none)."""
     weight_map = read_weight_map(index_path, table)
-    folder = os.path.dirname(os.path.abspath(index_path))
+    folder = os.path.dirname(absolute_path(index_path))
     shards = sorted(set(weight_map.values()))
     paths = {}
     for shard in shards:  # every name is checked before any shard is opened

@@ -39,7 +39,7 @@ from math import prod
 
 from ..errors import CheckpointNotFoundError, InvalidCheckpointError
 from ..report import brief, ranks_listed, shortened
-from .files import FileTable, OpenFile, open_regular
+from .files import FileTable, OpenFile, absolute_path, open_regular
 from .index import DTYPES, MAX_HEADER_BYTES, CheckpointIndex, Fragment, TensorEntry, pread_exactly, shard_path
 from .partition import Partition
 
@@ -1037,7 +1037,7 @@ def read_native(folder: str, table: FileTable,
 def open_native(source: str, folder: str, table: FileTable, module_weights: bool = False) -> CheckpointIndex:
     """Index the DeepSpeed checkpoint in tag folder ``folder`` (found from ``source``)."""
     layout, entries = read_native(folder, table, module_weights)
-    return CheckpointIndex(source, tuple(table.files), entries, opened=table, root=os.path.abspath(folder),
+    return CheckpointIndex(source, tuple(table.files), entries, opened=table, root=absolute_path(folder),
                            layout=layout)
 
 

@@ -21,7 +21,7 @@ from ..errors import (
     InvalidCheckpointError,
 )
 from ..report import shortened
-from .files import FileTable, open_regular, refuse_irregular, stat_path
+from .files import FileTable, absolute_path, open_regular, refuse_irregular, stat_path
 from .hub import RemoteRepo, download, remote_repo
 from .index import (
     INDEX_FILE,
@@ -89,7 +89,7 @@ class IndexReader(Protocol):
 
 def _single_file(path: str, table: FileTable, missing_ok: bool) -> CheckpointIndex:
     """A lone ``.safetensors`` file."""
-    root, key = os.path.split(os.path.abspath(path))
+    root, key = os.path.split(absolute_path(path))
     return CheckpointIndex(path, (key,), parse_header(table.add(open_regular(path), key), key), opened=table,
                            root=root)
 

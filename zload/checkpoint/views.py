@@ -30,7 +30,7 @@ from ..errors import (
 )
 from ..report import ranks_listed, shortened
 from .digest import DIGEST_KEY, block_count, block_digests, data_digest, recorded_mismatch, sample_digests
-from .files import FileTable, OpenFile
+from .files import FileTable, OpenFile, absolute_path
 from .index import CheckpointIndex, TensorEntry
 from .open import open_checkpoint
 from .pagecache import forget
@@ -69,7 +69,7 @@ class SharedIndex:
 def _root(source: str) -> str:
     """The folder a checkpoint's keys are relative to, judged from the path alone (for a rank that
     does not have it)."""
-    absolute = os.path.abspath(source)
+    absolute = absolute_path(source)
     return absolute if os.path.isdir(absolute) or not os.path.splitext(absolute)[1] else os.path.dirname(absolute)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from math import ceil, prod
 
 from ..checkpoint.dtypes import TORCH_DTYPES
-from ..checkpoint.files import FileTable, open_regular
+from ..checkpoint.files import FileTable, absolute_path, open_regular
 from ..checkpoint.index import SINGLE_FILE, CheckpointIndex, TensorEntry, read_json
 from ..checkpoint.native import LATEST, converted_tensors, native_folder, read_native
 from ..checkpoint.views import LocalView, share_index, viewed
@@ -108,8 +108,8 @@ def _read(source: str, weights: str, with_config: bool) -> _Source:
     table = FileTable()
     try:
         layout, entries = read_native(folder, table, module_weights=module_weights)
-        config = _config(os.path.dirname(os.path.abspath(folder))) if with_config else (None, [])
-        index = CheckpointIndex(source, tuple(table.files), entries, opened=table, root=os.path.abspath(folder))
+        config = _config(os.path.dirname(absolute_path(folder))) if with_config else (None, [])
+        index = CheckpointIndex(source, tuple(table.files), entries, opened=table, root=absolute_path(folder))
     except BaseException:
         table.close()
         raise
@@ -213,7 +213,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: s
     started = time.perf_counter()
     invalid = None
     try:
-        source, final = os.fspath(checkpoint), os.path.abspath(os.fspath(out))
+        source, final = os.fspath(checkpoint), absolute_path(out)
     except TypeError as e:
         source = final = "<not a path>"
         invalid = ArgumentTypeError(f"zload.convert expects paths (str or os.PathLike): {e}")

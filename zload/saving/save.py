@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from ..checkpoint.files import absolute_path
 from ..collector import collector_paused
 from ..distributed import agree, agree_arguments, exchange, problems_of, rank_and_world, stage, warn_for_all
 from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
@@ -74,7 +75,7 @@ def save(model, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
     except ArgumentTypeError as e:
         invalid = e
     try:
-        final = os.path.abspath(os.fspath(path))
+        final = absolute_path(path)
     except TypeError:
         final = f"<a {type(path).__name__}>"
         invalid = invalid or ArgumentTypeError(f"zload.save expects a path (str or os.PathLike), got "
