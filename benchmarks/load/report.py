@@ -81,6 +81,7 @@ def summarize_run(ranks: list[dict]) -> dict:
         "reload_s": _max(ranks, "reload", "seconds"),
         "zload_stages_s": stages_of_run(ranks),
         "zload_file": ranks[0].get("zload_file"),
+        "peaks": ", ".join(sorted({r["peaks"] for r in ranks if "peaks" in r})) or None,
         "page_cache_resident": min((r["page_cache_resident"] for r in ranks
                                     if r.get("page_cache_resident") is not None), default=None),
         "verified": (None if any(r.get("verified") is None for r in ranks)

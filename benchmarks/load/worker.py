@@ -104,10 +104,13 @@ class CommCounter:
 class Meter:
     """Timed segments and their peak RSS; begin/end synchronise all ranks (barriers).
 
-    Peaks come from the kernel's high-water mark (``VmHWM``), read and reset at every segment
-    boundary, so each peak is exact and belongs to the segments open when it happened. No thread
-    samples memory: one that did, every 5 ms, took turns with a rank's own work and changed the
-    times it was there to measure (benchmarks/README.md, construct + load)."""
+    Peaks come from the kernel's high-water mark (``VmHWM``), read at every segment boundary and
+    reset there (``clear_refs`` 5), so each peak goes to the segments open when it happened, missing
+    only pages the kernel reclaims in between. No thread samples memory: one that did, every 5 ms,
+    took turns with a rank's work on its one core and changed the times it was there to measure
+    (benchmarks/README.md, construct + load). Where ``clear_refs`` cannot be written (gVisor, a
+    kernel without ``CONFIG_PROC_PAGE_MONITOR``) the mark is the process's lifetime peak, counted
+    for a segment only if it rose during it (``peaks``)."""
 
     def __init__(self, counter: CommCounter, cuda: bool):
         self.counter = counter
@@ -115,22 +118,30 @@ class Meter:
         self.open: dict[str, dict] = {}
         self.done: dict[str, dict] = {}
         self.before_load = None  # where set, called as the "load" segment begins, before its barrier
+        self.peaks = "high-water mark reset at each boundary"
         self._boundary()  # peaks count from here
 
-    def _boundary(self) -> int:
-        """The RSS now. The peak since the last boundary goes to every segment open through it,
-        and the high-water mark is reset to the RSS now (``clear_refs`` 5, Linux 4.0 and later)."""
+    def _boundary(self) -> tuple[int, int]:
+        """(the RSS now, the high-water mark a segment begun now starts from). The mark goes to
+        every open segment it rose above, then is reset to the RSS now where the kernel lets us."""
         status = {}
         with open("/proc/self/status") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key in ("VmRSS", "VmHWM"):
                     status[key] = int(value.split()[0]) * 1024  # kB
+        rss, high_water = status["VmRSS"], status.get("VmHWM", status["VmRSS"])
         for seg in self.open.values():
-            seg["rss_peak"] = max(seg["rss_peak"], status["VmHWM"])
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return status["VmRSS"]
+            if high_water > seg["high_water_before"]:
+                seg["rss_peak"] = max(seg["rss_peak"], high_water)
+        if self.peaks.startswith("high-water mark reset"):
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                return rss, rss
+            except OSError as e:
+                self.peaks = f"lifetime high-water mark (clear_refs: {e.strerror or e})"
+        return rss, high_water
 
     @staticmethod
     def _rchar() -> int:
@@ -160,8 +171,8 @@ class Meter:
         if name == "load" and self.before_load:
             self.before_load()
         dist.barrier()
-        rss = self._boundary()
-        seg = {"rss_before": rss, "rss_peak": rss, "comm_before": self.counter.snapshot(),
+        rss, high_water = self._boundary()
+        seg = {"rss_before": rss, "rss_peak": rss, "high_water_before": high_water, "comm_before": self.counter.snapshot(),
                "rchar_before": self._rchar(), "cpu_before": os.times(), "gpu_before": 0, "gpu_peak": 0}
         if self.cuda:
             seg["gpu_before"] = seg["gpu_peak"] = torch.cuda.memory_allocated()
@@ -175,7 +186,7 @@ class Meter:
         self._fold_gpu()
         dist.barrier()
         seconds = time.perf_counter() - self.open[name]["t0"]
-        rss_after = self._boundary()
+        rss_after, _ = self._boundary()
         seg = self.open.pop(name)
         received, calls, spans = self.counter.snapshot()
         cpu_after = os.times()
@@ -231,9 +242,9 @@ def worker_main(args) -> None:
 
     cuda = join_world()
     rank, world = dist.get_rank(), dist.get_world_size()
-    meter = Meter(counter, cuda)
     rc = 0
     try:
+        meter = Meter(counter, cuda)
         method = args.worker
         # how much of the checkpoint the page cache holds as the method starts (this VM evicts idle
         # pages within a minute, so a warm run is checked as much as a cold one)
@@ -249,7 +260,7 @@ def worker_main(args) -> None:
         segments = dict(meter.done)
         if "construct" not in segments and "load" in segments:
             segments["construct"] = {"seconds": segments["total"]["seconds"] - segments["load"]["seconds"]}
-        result.update(method=method, rank=rank, world=world, segments=segments,
+        result.update(method=method, rank=rank, world=world, segments=segments, peaks=meter.peaks,
                       partition_bytes=partition_bytes(args.checkpoint, getattr(torch, args.model_dtype)),
                       device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu",
                       backend=dist.get_backend(), omp_threads=torch.get_num_threads())
