@@ -248,3 +248,34 @@ def test_the_command_line_takes_repo_ids_as_load_into_does(snapshot, capsys):
     assert main(["validate", REPO, "--revision", COMMIT]) == 0
     assert main(["plan", REPO, "--revision", "v2", "-n", "2"]) == 2  # not cached: named, no traceback
     assert "revision v2" in capsys.readouterr().err
+
+
+def test_a_sharded_repo_in_a_cache_reached_through_a_link_asks_for_its_shards_by_name(tmp_path):
+    """Header-only reading of a repo (``zload inspect`` of a repo id): where the downloaded index's
+    path goes through a link (``HF_HOME`` on another disk), each shard is still asked for by its
+    name in the repo, not by a path climbing out of the snapshot."""
+    from zload.checkpoint.files import FileTable
+    from zload.checkpoint.open import _remote_index
+
+    snapshot = tmp_path / "disk" / "hub" / "snapshots" / COMMIT
+    save_sharded(STATE, snapshot, shards=2)
+    (tmp_path / "home").symlink_to(tmp_path / "disk")
+    asked = []
+
+    class Repo:  # the part of hub.RemoteRepo that _remote_index uses
+        repo, revision, commit = REPO, None, COMMIT
+        sizes = {p.name: p.stat().st_size for p in snapshot.iterdir()}
+
+        def url(self, name):
+            return f"https://hub/{name}"
+
+        def download(self, name):
+            return str(tmp_path / "home" / "hub" / "snapshots" / COMMIT / name)
+
+        def header(self, name):
+            asked.append(name)
+            raise zload.CheckpointNotFoundError(f"no {name} in the repo", path=name)
+
+    with pytest.raises(zload.CheckpointNotFoundError), FileTable() as table:
+        _remote_index(Repo(), table)
+    assert asked == ["model-00001-of-00002.safetensors"]

@@ -348,3 +348,27 @@ def test_dot_dot_after_a_link_reads_the_shards_beside_the_index(tmp_path):
     model = torch.nn.Linear(3, 2)
     zload.load_into(model, f"{tmp_path}/latest/../ckpt")
     assert torch.equal(model.weight.detach(), wanted["weight"]) and torch.equal(model.bias.detach(), wanted["bias"])
+
+
+def test_absolute_path_resolves_the_links_above_the_last_component(tmp_path, monkeypatch):
+    """The kernel's reading of a path, not the text's: the last component stays as given (a link
+    there is seen as a link); a dangling link on the way, a NUL byte or a removed working folder
+    (with an absolute path) leave the path to the kernel to refuse, as ``os.path.abspath`` did."""
+    from zload.checkpoint.files import absolute_path
+
+    (tmp_path / "runs" / "run-7").mkdir(parents=True)
+    (tmp_path / "latest").symlink_to(tmp_path / "runs" / "run-7")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "deep")
+    monkeypatch.chdir(tmp_path)
+    assert absolute_path("latest/../other") == str(tmp_path / "runs" / "other")
+    assert absolute_path("latest/..") == str(tmp_path / "runs")
+    assert absolute_path("latest") == absolute_path("latest/") == str(tmp_path / "latest")
+    assert absolute_path(".") == absolute_path("") == str(tmp_path)
+    assert absolute_path("/") == "/"
+    assert absolute_path("dangling/x") == str(tmp_path / "dangling" / "x")  # not nowhere/deep/x
+    assert absolute_path("a\0b/c") == str(tmp_path / "a\0b" / "c")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert absolute_path(str(tmp_path / "latest" / ".." / "x")) == str(tmp_path / "runs" / "x")

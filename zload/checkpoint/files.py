@@ -37,12 +37,20 @@ def absolute_path(path) -> str:
     link goes up from where the link leads. ``os.path.abspath`` drops such a pair as text and
     names another folder (``latest/../other``, ``latest`` a link into ``runs/``: ``./other``, not
     ``runs/other``), whose files a load would then read or a save replace. The last component is
-    kept as given, so that a link there is seen as a link (a Hub snapshot's file, a save target)."""
-    absolute = os.path.join(os.getcwd(), os.fspath(path)).rstrip(os.sep) or os.sep
-    parent, name = os.path.split(absolute)
-    if name in ("", os.curdir, os.pardir):  # the folder itself is named by the links above it
-        return os.path.realpath(absolute)
-    return os.path.join(os.path.realpath(parent), name)
+    kept as given, so that a link there is seen as a link (a Hub snapshot's file, a save target, a
+    tag folder). Where the parent does not exist (a dangling link on the way), the path is left
+    as text for the kernel to refuse, not followed to wherever the link points."""
+    path = os.fspath(path)
+    try:
+        absolute = (path if os.path.isabs(path) else os.path.join(os.getcwd(), path)).rstrip(os.sep) or os.sep
+        parent, name = os.path.split(absolute)
+        if name in ("", os.curdir, os.pardir):  # the folder itself is named by the links above it
+            resolved = os.path.realpath(absolute)
+            return resolved if os.path.exists(resolved) else absolute
+        resolved = os.path.realpath(parent)
+        return os.path.join(resolved, name) if os.path.isdir(resolved) else absolute
+    except ValueError:  # a NUL byte: no file has this name, and opening it says so
+        return os.path.abspath(path)
 
 
 def file_kind(mode: int) -> str:

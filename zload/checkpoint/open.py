@@ -170,7 +170,7 @@ def _remote_index(remote: RemoteRepo, table: FileTable) -> CheckpointIndex:
     config = remote.download(CONFIG_FILE) if CONFIG_FILE in remote.sizes else None
     if start.endswith(".json"):
         index_path = remote.download(start)
-        folder = os.path.dirname(index_path)
+        folder = os.path.dirname(absolute_path(index_path))  # as index_from_weight_map joins the shards to
         index = index_from_weight_map(index_path, table, False,
                                       lambda path: remote.header(os.path.relpath(path, folder)))
     else:
