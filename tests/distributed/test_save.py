@@ -165,6 +165,21 @@ def test_a_link_to_a_folder_is_written_through(tmp_path):
     assert all(torch.equal(saved[k], state[k]) for k in state)
 
 
+def _saved_twice(out):
+    model = build_zero(models.Awkward)
+    return [zload.save(model, out, max_shard_size=200).files for _ in range(2)]
+
+
+def test_every_rank_reports_the_shards_as_rank_0_named_them(tmp_path):
+    """Rank 0 alone sees that a second save's standard shard names are taken and tags them with
+    the save's token; every rank's report names the files now in the folder."""
+    (first, second), (first_1, second_1) = run_world(2, _saved_twice, str(tmp_path / "out"))
+    weight_map = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert first == first_1 and second == second_1 and len(second) > 1
+    assert set(second) == set(weight_map.values()) and not set(second) & set(first)
+    assert all((tmp_path / "out" / name).is_file() for name in second)
+
+
 def _saved_under_the_old_name(out):
     model = build_zero(models.Awkward)
     with warnings.catch_warnings(record=True) as caught:

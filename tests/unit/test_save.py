@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -49,3 +51,16 @@ def test_dot_dot_after_a_link_goes_up_from_where_the_link_leads(tmp_path):
     assert report.path == str(tmp_path / "runs" / "other")
     assert torch.equal(load_file(str(tmp_path / "runs" / "other" / "model.safetensors"))["weight"],
                        model.weight.detach())
+
+
+def test_the_report_names_the_shards_as_they_are_in_the_folder(tmp_path):
+    """A second sharded save into a folder finds the standard shard names taken (by the first
+    checkpoint) and tags its shards with the save's token. The report names those, not the
+    standard names, which were the earlier checkpoint's files and are gone."""
+    model = torch.nn.Linear(64, 64)
+    first = zload.save(model, tmp_path / "out", max_shard_size=10_000)
+    second = zload.save(model, tmp_path / "out", max_shard_size=10_000)
+    in_folder = {p.name for p in (tmp_path / "out").iterdir()}
+    weight_map = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(second.files) > 1 and set(second.files) <= in_folder and not set(second.files) & set(first.files)
+    assert set(weight_map.values()) == set(second.files)

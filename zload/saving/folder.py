@@ -335,14 +335,14 @@ class SaveFolder:
         return renamed
 
     def commit(self, single: str, shards: list[str], index: dict | None, configs: list[str],
-               beside: tuple[list[str], dict] | None = None) -> None:
+               beside: tuple[list[str], dict] | None = None) -> dict[str, str]:
         """Put the staged files in place. Weights name ``single``: written in the staging folder
         under that name when ``index`` is None, else as ``shards`` (standard names) with ``index``
         the index's content naming them. ``configs``: files staged there that replace theirs.
         ``beside``: the optimizer state's staged shards and index content (named from
         ``OPTIMIZER_SINGLE``): its shards go in before the commit point, its index after it, as
         the configs do; without it, the optimizer state an earlier save left is stale. The order is
-        the module docstring's."""
+        the module docstring's. Returns staged shard name -> its name in the folder."""
         _, earlier = _referenced(self.final, single)
         _, earlier_beside = _referenced(self.final, OPTIMIZER_SINGLE)
         renamed, renamed_beside = {}, {}
@@ -370,6 +370,7 @@ class SaveFolder:
         if left:
             self.notes.append(f"saved {self.final}, but could not remove these files of the "
                               f"earlier checkpoint, which it no longer uses: {shortened(left)}")
+        return {**renamed, **renamed_beside}
 
     def _move_in(self, names: dict[str, str]) -> None:
         """Rename staged files (staging name -> name in the folder) into the folder."""

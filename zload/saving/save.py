@@ -22,7 +22,16 @@ import torch
 
 from ..checkpoint.files import absolute_path
 from ..collector import collector_paused
-from ..distributed import agree, agree_arguments, exchange, problems_of, rank_and_world, stage, warn_for_all
+from ..distributed import (
+    agree,
+    agree_arguments,
+    exchange,
+    problems_of,
+    raise_for,
+    rank_and_world,
+    stage,
+    warn_for_all,
+)
 from ..errors import ArgumentTypeError, ArgumentValueError, ZloadWarning
 from ..integrations.deepspeed import Masters, masters_of
 from ..loading.execute import DEFAULT_STAGING_BYTES
@@ -202,16 +211,22 @@ def write_checkpoint(final: str, sink: Sink, shared_filesystem: bool | None,
         with stage(f"putting the new files in place in {final}", "Rank 0 does that alone: "
                    f"depending on how far it got, {final} holds the old or the new checkpoint, never "
                    "a mix of both; the next save into it removes what is left over."):
-            _, problems = problems_of("publishing", lambda: rank == 0 and writer.publish(
+            renamed, problems = problems_of("publishing", lambda: rank == 0 and writer.publish(
                 folder, plan.single, plan.files, partial(sink.write_configs, plan), plan.beside))
             if problems:  # rank 0's: say what the folder holds now
                 outcome = folder.abort()
                 problems = [replace(p, message=f"{p.message} ({outcome})") for p in problems]
-            agree(problems, f"saving to {final} failed while putting the new files in place")
+            # agreed with the names in the folder, in one exchange that leaves nothing to wait
+            # for after the commit: a shard's standard name may be taken (by an earlier
+            # checkpoint, a user's file), and then rank 0 tagged it with the save's token
+            outcomes = exchange((problems, renamed if rank == 0 else None))
+            raise_for([p for p, _ in outcomes], f"saving to {final} failed while putting the new files in place")
+            renamed = outcomes[0][1]
     except BaseException:
         if rank == 0:
             folder.abort()
         raise
-    report = SaveReport(path=final, files=[f.name for f in files], total_bytes=sum(f.size for f in files),
+    report = SaveReport(path=final, files=[renamed.get(f.name, f.name) for f in files],
+                        total_bytes=sum(f.size for f in files),
                         bytes_written=written, gathered=gathered, seconds=time.perf_counter() - started)
     return report, folder.notes if folder else []

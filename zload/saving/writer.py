@@ -411,11 +411,12 @@ def recorded_digest(folder: str, f: OutFile) -> str:
         return os.pread(src.fileno(), len(DIGEST_PLACEHOLDER), f.digest_at).decode()
 
 
-def publish(folder: SaveFolder, single: str, files: list[OutFile], write_configs, beside: Beside | None = None) -> None:
+def publish(folder: SaveFolder, single: str, files: list[OutFile], write_configs,
+            beside: Beside | None = None) -> dict[str, str]:
     """Rank 0: configs staged (``write_configs(staging folder)`` writes them), the new checkpoint
     committed (with ``beside``, the files saved beside the weights, whose index records the
     weights' data digests), then the leftovers of killed saves and this save's staging folder
-    removed."""
+    removed. Returns the shards' names in the folder (``SaveFolder.commit``)."""
     for f in files + (beside.files if beside else []):
         _fsync(os.path.join(folder.staging, f.name))
     configs = _stage_configs(write_configs, folder.staging)
@@ -424,5 +425,6 @@ def publish(folder: SaveFolder, single: str, files: list[OutFile], write_configs
     if beside is not None:
         digests = sorted(recorded_digest(folder.staging, f) for f in files)
         besides = ([f.name for f in beside.files], _index(beside.files, {**beside.metadata, "weights": digests}))
-    folder.commit(single, [f.name for f in files] if index else [], index, configs, besides)
+    renamed = folder.commit(single, [f.name for f in files] if index else [], index, configs, besides)
     folder.finish()
+    return renamed
