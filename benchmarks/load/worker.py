@@ -118,8 +118,15 @@ class Meter:
         self.open: dict[str, dict] = {}
         self.done: dict[str, dict] = {}
         self.before_load = None  # where set, called as the "load" segment begins, before its barrier
-        self.peaks = "high-water mark reset at each boundary"
+        self.reset_refused = None  # why clear_refs could not be written, once it could not
         self._boundary()  # peaks count from here
+
+    @property
+    def peaks(self) -> str:
+        """How the peaks were measured, for the result."""
+        if self.reset_refused is None:
+            return "high-water mark reset at each boundary"
+        return f"lifetime high-water mark (clear_refs: {self.reset_refused})"
 
     def _boundary(self) -> tuple[int, int]:
         """(the RSS now, the high-water mark a segment begun now starts from). The mark goes to
@@ -134,13 +141,13 @@ class Meter:
         for seg in self.open.values():
             if high_water > seg["high_water_before"]:
                 seg["rss_peak"] = max(seg["rss_peak"], high_water)
-        if self.peaks.startswith("high-water mark reset"):
+        if self.reset_refused is None:
             try:
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
                 return rss, rss
             except OSError as e:
-                self.peaks = f"lifetime high-water mark (clear_refs: {e.strerror or e})"
+                self.reset_refused = str(e.strerror or e)
         return rss, high_water
 
     @staticmethod
