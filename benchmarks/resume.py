@@ -28,10 +28,11 @@ page cache into a reused buffer (a bound no resume reaches), and the time the ra
 right after its resume and with all ranks at once, to read as many bytes of the same files with
 zload's reader threads, those of the Adam states the engine held no memory for (an engine that has
 not stepped: any resume brings them into being) into memory allocated then (``_floor_in_rank``).
-The first run checks that every rank's fp32 masters,
-exp_avg, exp_avg_sq and step counts are bit-identical between DeepSpeed's resume and zload's
-two. A resume that fails (DeepSpeed's universal load can run out of memory) is recorded as
-failed. Results: ``OUT/resume-<name>.{json,md}``.
+Each resume, and each floor, comes right after faulting in that much new memory and freeing it,
+untimed (``_recycle``), so that both fault in the same kind of pages. The first run checks that
+every rank's fp32 masters, exp_avg, exp_avg_sq and step counts are bit-identical between
+DeepSpeed's resume and zload's two. A resume that fails (DeepSpeed's universal load can run out
+of memory) is recorded as failed. Results: ``OUT/resume-<name>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -149,19 +150,39 @@ def resume(method: str, folder: str, out: str) -> None:
     import zload
 
     engine, _ = _engine(os.path.join(folder, "config.json"), universal=method == "load_universal")
+    existing, new = _state_bytes(engine)
     if method == "load_universal":
-        _warm_in_ranks(_files_under(_tag(folder) + "_universal"))
-        record = _timed(lambda: engine.load_checkpoint(os.path.join(folder, NATIVE))[0] and None)
+        files = _files_under(_tag(folder) + "_universal")
+
+        def call():
+            engine.load_checkpoint(os.path.join(folder, NATIVE))
     else:
         where = os.path.join(folder, NATIVE if method == "zload (native)" else ZLOAD)
         files = checkpoint_files(_tag(folder), ".pt") if method == "zload (native)" else [
             p for p in checkpoint_files(where) if os.path.basename(p).startswith("optimizer-")]
-        _warm_in_ranks(files)
-        existing, new = _state_bytes(engine)
-        record = dict(_timed(lambda: zload.load_into(engine, where, optimizer=True).bytes_read), new_state_bytes=new)
+
+        def call():
+            return zload.load_into(engine, where, optimizer=True).bytes_read
+    _warm_in_ranks(files)
+    record = dict(recycle_seconds=_recycle(new), new_state_bytes=new)
+    record.update(_timed(call))
+    if method != "load_universal":
         record["floor_seconds"] = _floor_in_rank(files, existing, new)
         record["floor_resident"] = files_residency(files)  # below 1: the floor read some from the disk
     _write(out, dict(record, digest=_digest(engine)))
+
+
+def _recycle(nbytes: int) -> float:
+    """Fault in ``nbytes`` of new memory and free it, untimed, right before a timed step that
+    brings that much into being; returns its seconds. On this VM a page the guest freed moments
+    ago faults in several times faster than one it has handed back to the host, and a step would
+    pay whichever kind it happened to get (benchmarks/README.md): so each resume and its floor
+    fault in pages just freed."""
+    import torch
+
+    started = time.perf_counter()
+    torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    return time.perf_counter() - started
 
 
 def _state_bytes(engine) -> tuple[int, int]:
@@ -179,9 +200,8 @@ def _floor_in_rank(paths: list[str], existing: int, new: int) -> float:
     """The seconds this rank takes, all ranks at once, to read ``existing`` bytes of ``paths`` (from
     the page cache) into a reused buffer per thread and then ``new`` bytes into memory allocated
     now, with as many threads as zload reads with: the I/O floor of the resume just timed, on the
-    same cores, beside the same peers and faulting in the same kind of memory. It runs after the
-    resume because memory just freed is faster to fault in again (on this VM, until the kernel
-    has handed it back to the host), which would flatter whichever ran second."""
+    same cores, beside the same peers and faulting in the same kind of memory: like the resume, it
+    first faults in as much new memory and frees it (``_recycle``, untimed)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -194,6 +214,7 @@ def _floor_in_rank(paths: list[str], existing: int, new: int) -> float:
               for at in range(0, size, CHUNK)]
     first = dist.get_rank() * len(chunks) // dist.get_world_size()  # the ranks start apart, as they read
     chunks = chunks[first:] + chunks[:first]
+    _recycle(new)
     fresh = memoryview(torch.empty(new, dtype=torch.uint8).numpy()).cast("B")
     local = threading.local()
     jobs, done, k = [], 0, 0  # (file, offset, where in ``fresh`` or None: a reused buffer, bytes)
@@ -337,6 +358,8 @@ def _per_rank(records: list[dict], speed: float | None = None) -> dict:
         out["io_floor_seconds_ranks"] = [r["result"] / speed for r in records]
         out["io_floor_new_memory_seconds_ranks"] = [r["floor_seconds"] for r in records]
         out["floor_resident_ranks"] = [r["floor_resident"] for r in records]
+    if "recycle_seconds" in records[0]:
+        out["recycle_seconds_ranks"] = [r["recycle_seconds"] for r in records]
     if "minor_faults" in records[0]:
         out["minor_faults_ranks"] = [r["minor_faults"] for r in records]
         out["kernel_seconds_ranks"] = [r["kernel_seconds"] for r in records]
@@ -427,7 +450,9 @@ def markdown(data: dict) -> str:
               "the page cache into one reused buffer (a bound no resume reaches), and the time the rank takes, "
               "right after its resume with all ranks at once and as many reader threads, to read as many bytes of "
               "the same files, those of the Adam states the engine had no memory for (it has taken no step) into "
-              "memory allocated then, its pages faulted in as it goes (in brackets, the step's time over each "
+              "memory allocated then, its pages faulted in as it goes; before each resume and each floor, "
+              "untimed, each rank faulted in and freed as many bytes of new memory, so that both fault in pages "
+              "the VM has just backed (in brackets, the step's time over each "
               "floor; no ratio where the page cache had lost part of the files by the floor's end). Minor faults "
               "and kernel s: the call's page faults and its threads' kernel CPU seconds. The methods run in "
               "another order in each run, each first once in three. The save rows: timed once, when the cache's "

@@ -160,7 +160,8 @@ def test_convert_benchmark_checks_and_reports_every_method(cache, tmp_path):
 def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
     """A run saved at W=2 both ways, resumed at W'=1 by DeepSpeed's universal checkpoint and by
     zload from both saves (the script raises unless the resumed optimizers are bit-identical):
-    the JSON and table name every step, and zload reads the same bytes from either save."""
+    the JSON and table name every step, zload reads the same bytes from either save, and every
+    resume came right after its ranks faulted in and freed as much new memory as it brings in."""
     run_module(tmp_path, "benchmarks.resume", "--size", SIZE, "--worlds", "1", "--runs", "1", "--cache", cache,
                "--out", tmp_path, "--name", "smoke")
     result = json.loads((tmp_path / "resume-smoke.json").read_text())["results"][0]
@@ -168,6 +169,7 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
     resumed = result["resumes"]["1"]
     assert list(resumed) == ["load_universal", "zload (native)", "zload (zload.save)"]
     assert all(m["seconds"] > 0 for m in [*resumed.values(), result["ds_to_universal"]])
+    assert all(len(m["recycle_seconds_ranks"]) == 1 and m["recycle_seconds_ranks"][0] > 0 for m in resumed.values())
     assert resumed["zload (native)"]["bytes_read_ranks"] == resumed["zload (zload.save)"]["bytes_read_ranks"]
     for method in ("zload (native)", "zload (zload.save)"):  # an engine that has not stepped: 2 of 3 states new
         m = resumed[method]
