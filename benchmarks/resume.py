@@ -294,7 +294,9 @@ def _tag(folder: str) -> str:
 
 def convert(tag: str) -> dict:
     """``ds_to_universal`` of ``tag`` into ``<tag>_universal`` (``latest_universal`` beside it),
-    as one fresh command: its seconds and the peak RSS of its largest process."""
+    as one fresh command: its seconds and the peak RSS of its largest process. What it wrote is
+    then synced, untimed: left dirty (2 GB here, for more than 30 s), its writeback and the
+    reclaim that waits on it would fall into the steps timed after it."""
     shutil.rmtree(tag + "_universal", ignore_errors=True)
     command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag,
                "--output_folder", tag + "_universal", "--inject_missing_state"]
@@ -302,6 +304,7 @@ def convert(tag: str) -> dict:
                           capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
         raise RuntimeError(f"ds_to_universal failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    os.sync()  # its GBs written back now, untimed, not during the resumes timed next
     seconds, rss = done.stdout.strip().splitlines()[-1].split()
     return {"seconds": float(seconds), "peak_rss": int(rss)}
 
