@@ -174,7 +174,8 @@ def resume(method: str, folder: str, out: str) -> None:
 
 def _recycle(nbytes: int) -> float:
     """Fault in ``nbytes`` of new memory and free it, untimed, right before a timed step that
-    brings that much into being; returns its seconds. On this VM a page the guest freed moments
+    brings that much into being (the Adam states; DeepSpeed's universal load brings in more);
+    returns its seconds. On this VM a page the guest freed moments
     ago faults in several times faster than one it has handed back to the host, and a step would
     pay whichever kind it happened to get (benchmarks/README.md): so each resume and its floor
     fault in pages just freed."""
@@ -326,7 +327,8 @@ def _files_under(folder: str) -> list[str]:
 
 def _warm_in_ranks(paths: list[str]) -> None:
     """Read the files ``paths`` into the page cache, the ranks sharing the reads, right
-    before the timed call: read before the engines were built, a file may have been pushed out
+    before the timed call (and its ``_recycle``, which comes after: the page cache would take the
+    pages it frees): read before the engines were built, a file may have been pushed out
     while they took their memory (the kernel reclaims first what was read once), and the call
     would read it from the disk."""
     import torch.distributed as dist
@@ -453,10 +455,11 @@ def markdown(data: dict) -> str:
               "the page cache into one reused buffer (a bound no resume reaches), and the time the rank takes, "
               "right after its resume with all ranks at once and as many reader threads, to read as many bytes of "
               "the same files, those of the Adam states the engine had no memory for (it has taken no step) into "
-              "memory allocated then, its pages faulted in as it goes; before each resume and each floor, "
-              "untimed, each rank faulted in and freed as many bytes of new memory, so that both fault in pages "
-              "the VM has just backed (in brackets, the step's time over each "
-              "floor; no ratio where the page cache had lost part of the files by the floor's end). Minor faults "
+              "memory allocated then, its pages faulted in as it goes (in brackets, the step's time over each "
+              "floor; no ratio where the page cache had lost part of the files by the floor's end). Before each "
+              "resume and each in-rank floor, untimed, each rank faulted in and freed as many bytes as the Adam "
+              "states it brings in, so that both fault in pages just freed (DeepSpeed's universal load brings in "
+              "more than that: part of its pages came as they were). Minor faults "
               "and kernel s: the call's page faults and its threads' kernel CPU seconds. The methods run in "
               "another order in each run, each first once in three. The save rows: timed once, when the cache's "
               "checkpoint was written. Peak RSS: the high-water mark after the step; rise: that minus the RSS "
