@@ -175,10 +175,9 @@ def resume(method: str, folder: str, out: str) -> None:
 def _recycle(nbytes: int) -> float:
     """Fault in ``nbytes`` of new memory and free it, untimed, right before a timed step that
     brings that much into being (the Adam states; DeepSpeed's universal load brings in more);
-    returns its seconds. On this VM a page the guest freed moments
-    ago faults in several times faster than one it has handed back to the host, and a step would
-    pay whichever kind it happened to get (benchmarks/README.md): so each resume and its floor
-    fault in pages just freed."""
+    returns its seconds. On this VM a page the guest freed moments ago faults in several times
+    faster than one it has handed back to the host, and a step would pay whichever kind it
+    happened to get (benchmarks/README.md): so each resume and its floor fault in pages just freed."""
     import torch
 
     started = time.perf_counter()

@@ -161,7 +161,7 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
     """A run saved at W=2 both ways, resumed at W'=1 by DeepSpeed's universal checkpoint and by
     zload from both saves (the script raises unless the resumed optimizers are bit-identical):
     the JSON and table name every step, zload reads the same bytes from either save, and every
-    resume came right after its ranks faulted in and freed as much new memory as it brings in."""
+    step, DeepSpeed's too, records the untimed recycling of new memory its ranks did before it."""
     run_module(tmp_path, "benchmarks.resume", "--size", SIZE, "--worlds", "1", "--runs", "1", "--cache", cache,
                "--out", tmp_path, "--name", "smoke")
     result = json.loads((tmp_path / "resume-smoke.json").read_text())["results"][0]
