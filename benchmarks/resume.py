@@ -32,7 +32,8 @@ Each resume, and each floor, comes right after faulting in that much new memory 
 untimed (``_recycle``), so that both fault in the same kind of pages. The first run checks that
 every rank's fp32 masters, exp_avg, exp_avg_sq and step counts are bit-identical between
 DeepSpeed's resume and zload's two. A resume that fails (DeepSpeed's universal load can run out
-of memory) is recorded as failed. Results: ``OUT/resume-<name>.{json,md}``.
+of memory) is recorded as failed. Results: ``OUT/resume-<name>.{json,md}``, the median run of
+each step, and every run's seconds and ratio to its own floor (``each_run``).
 """
 
 from __future__ import annotations
@@ -399,7 +400,17 @@ def measure_size(name: str, weights: int, args) -> dict:
     return {"size": name, "weights_bytes": weights, "files_bytes": files, "read_bytes_per_second": speed,
             "runs": args.runs, "saves": {m: _per_rank([s[m] for s in saves]) for m in saves[0]},
             "ds_to_universal": _median(converts),
-            "resumes": {str(w): {m: _median(v) for m, v in by.items()} for w, by in samples.items()}}
+            "resumes": {str(w): {m: _median(v) for m, v in by.items()} for w, by in samples.items()},
+            "each_run": {str(w): {m: [_in_brief(s) for s in v] for m, v in by.items()} for w, by in samples.items()}}
+
+
+def _in_brief(sample: dict) -> dict:
+    """One run of a step: its seconds and, for zload, those over its floor in the rank (slowest
+    ranks), so that a reader sees every run, not only the median one."""
+    if "failed" in sample:
+        return {"failed": True}
+    floors = sample.get("io_floor_new_memory_seconds_ranks")
+    return {"seconds": sample["seconds"], **({"over_floor": sample["seconds"] / max(floors)} if floors else {})}
 
 
 def _median(samples: list[dict]) -> dict:
@@ -448,6 +459,14 @@ def markdown(data: dict) -> str:
                 if "failed" not in by[method]:
                     lines.append(f"| {size} | {world} | {method} / (ds_to_universal + load_universal) | "
                                  f"{by[method]['seconds'] / ds:.3f} | | | | |")
+    for r in data["results"]:
+        runs = [f"W'={world} {step}: " + ", ".join(
+                    "failed" if "failed" in run else f"{run['seconds']:.2f}"
+                    + (f" ({run['over_floor']:.2f}x)" if "over_floor" in run else "") for run in each)
+                for world, by in r.get("each_run", {}).items() for step, each in by.items()]
+        if runs:
+            lines += ["", f"{r['size']}, each run in order, seconds (over the floor in the rank): "
+                      + "; ".join(runs) + "."]
     lines += ["", f"Command: `{data['command']}`. Median run. Seconds: the call alone on each rank (the engine "
               "built before it), the slowest rank; ds_to_universal: the whole command (one process and its "
               "workers). I/O floors: the rank's bytes read at the speed one process alone reads the files from "

@@ -161,7 +161,8 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
     """A run saved at W=2 both ways, resumed at W'=1 by DeepSpeed's universal checkpoint and by
     zload from both saves (the script raises unless the resumed optimizers are bit-identical):
     the JSON and table name every step, zload reads the same bytes from either save, and every
-    step, DeepSpeed's too, records the untimed recycling of new memory its ranks did before it."""
+    step, DeepSpeed's too, records the untimed recycling of new memory its ranks did before it,
+    and every run is kept with its ratio to its own floor."""
     run_module(tmp_path, "benchmarks.resume", "--size", SIZE, "--worlds", "1", "--runs", "1", "--cache", cache,
                "--out", tmp_path, "--name", "smoke")
     result = json.loads((tmp_path / "resume-smoke.json").read_text())["results"][0]
@@ -170,6 +171,10 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
     assert list(resumed) == ["load_universal", "zload (native)", "zload (zload.save)"]
     assert all(m["seconds"] > 0 for m in [*resumed.values(), result["ds_to_universal"]])
     assert all(len(m["recycle_seconds_ranks"]) == 1 and m["recycle_seconds_ranks"][0] > 0 for m in resumed.values())
+    runs = result["each_run"]["1"]  # every run kept, not only the median one
+    assert {m: len(r) for m, r in runs.items()} == dict.fromkeys(resumed, 1)
+    assert all(r[0]["over_floor"] == m["seconds"] / max(m["io_floor_new_memory_seconds_ranks"])
+               for m, r in ((resumed[k], runs[k]) for k in ("zload (native)", "zload (zload.save)")))
     assert resumed["zload (native)"]["bytes_read_ranks"] == resumed["zload (zload.save)"]["bytes_read_ranks"]
     for method in ("zload (native)", "zload (zload.save)"):  # an engine that has not stepped: 2 of 3 states new
         m = resumed[method]
@@ -177,6 +182,7 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
         assert all(new > old for new, old in zip(m["io_floor_new_memory_seconds_ranks"], m["io_floor_seconds_ranks"]))
     table = (tmp_path / "resume-smoke.md").read_text()
     assert all(f"| {step} |" in table for step in [*resumed, "ds_to_universal", "zload.save"])
+    assert "W'=1 zload (native): " in table
 
 
 def test_gpu_check_smoke_run_on_cpu(cache, tmp_path):
