@@ -404,13 +404,23 @@ def measure_size(name: str, weights: int, args) -> dict:
             "each_run": {str(w): {m: [_in_brief(s) for s in v] for m, v in by.items()} for w, by in samples.items()}}
 
 
+def _over_floor(sample: dict) -> float | None:
+    """A zload step's seconds over its floor in the rank (slowest ranks); None where it has no
+    floor, or where the page cache lost part of the files before the floor ended (it read some
+    from the disk)."""
+    if "io_floor_new_memory_seconds_ranks" not in sample:
+        return None
+    if min(r if r is not None else 1.0 for r in sample["floor_resident_ranks"]) < 0.99:
+        return None
+    return sample["seconds"] / max(sample["io_floor_new_memory_seconds_ranks"])
+
+
 def _in_brief(sample: dict) -> dict:
-    """One run of a step: its seconds and, for zload, those over its floor in the rank (slowest
-    ranks), so that a reader sees every run, not only the median one."""
+    """One run of a step, so that a reader sees every run, not only the median one."""
     if "failed" in sample:
         return {"failed": True}
-    floors = sample.get("io_floor_new_memory_seconds_ranks")
-    return {"seconds": sample["seconds"], **({"over_floor": sample["seconds"] / max(floors)} if floors else {})}
+    ratio = _over_floor(sample)
+    return {"seconds": sample["seconds"], **({"over_floor": ratio} if ratio is not None else {})}
 
 
 def _median(samples: list[dict]) -> dict:
@@ -433,9 +443,9 @@ def markdown(data: dict) -> str:
         floors, faults = "–", "–"
         if "io_floor_seconds_ranks" in m:
             existing, new = max(m["io_floor_seconds_ranks"]), max(m["io_floor_new_memory_seconds_ranks"])
-            evicted = min(r if r is not None else 1.0 for r in m["floor_resident_ranks"]) < 0.99
+            ratio = _over_floor(m)
             floors = (f"{existing:.2f} / {new:.2f} ({m['seconds'] / existing:.1f}x / "
-                      + ("files partly evicted: no ratio)" if evicted else f"{m['seconds'] / new:.2f}x)"))
+                      + ("files partly evicted: no ratio)" if ratio is None else f"{ratio:.2f}x)"))
         if "minor_faults_ranks" in m:
             faults = f"{max(m['minor_faults_ranks']):,}, {max(m['kernel_seconds_ranks']):.1f}"
         peaks = ", ".join(f"{p / MB:,.0f}" for p in m.get("peak_rss_ranks", [m.get("peak_rss", 0)]))
@@ -459,10 +469,13 @@ def markdown(data: dict) -> str:
                 if "failed" not in by[method]:
                     lines.append(f"| {size} | {world} | {method} / (ds_to_universal + load_universal) | "
                                  f"{by[method]['seconds'] / ds:.3f} | | | | |")
+    def run_text(run: dict) -> str:
+        if "failed" in run:
+            return "failed"
+        return f"{run['seconds']:.2f}" + (f" ({run['over_floor']:.2f}x)" if "over_floor" in run else "")
+
     for r in data["results"]:
-        runs = [f"W'={world} {step}: " + ", ".join(
-                    "failed" if "failed" in run else f"{run['seconds']:.2f}"
-                    + (f" ({run['over_floor']:.2f}x)" if "over_floor" in run else "") for run in each)
+        runs = [f"W'={world} {step}: " + ", ".join(map(run_text, each))
                 for world, by in r.get("each_run", {}).items() for step, each in by.items()]
         if runs:
             lines += ["", f"{r['size']}, each run in order, seconds (over the floor in the rank): "
