@@ -37,16 +37,13 @@ def _worker_args(method: str, folder: str, result_dir: str, args) -> list[str]:
 
 
 @contextmanager
-def scratch_folders():
-    """This process's temporary folders, ``(snapshot, logs)``: a copy of zload's sources that every
-    worker imports from, so that an edit of the working tree (an editable install) during a long run
-    cannot mix two versions, and the measured worlds' logs. Both are removed at the end, but for the
-    logs of a run that failed: its error names the log of the world that failed.
-
-    The snapshot is compiled to bytecode, as ``pip install`` compiles an installed package (and as
-    transformers and DeepSpeed are here): otherwise every fresh world compiles zload's sources while
-    it is timed, 60-90 ms a rank on this project's CPU machine, which no installed zload pays
-    (benchmarks/README.md, the construct + load target)."""
+def compiled_snapshot():
+    """A copy of zload's sources, compiled to bytecode, in a temporary folder removed at the end:
+    workers that import from it cannot mix two versions if the working tree (an editable install)
+    is edited during a long run, and import compiled modules, as from ``pip install`` (which
+    compiles an installed package, as transformers and DeepSpeed are here): otherwise every fresh
+    world compiles zload's sources while it is timed, 60-90 ms a rank on this project's CPU machine,
+    which no installed zload pays (benchmarks/README.md, the construct + load target)."""
     import compileall
 
     import zload
@@ -57,6 +54,17 @@ def scratch_folders():
                         ignore=shutil.ignore_patterns("__pycache__"))
         if not compileall.compile_dir(os.path.join(snapshot, "zload"), quiet=1):
             raise RuntimeError(f"could not compile zload's sources in {snapshot}")
+        yield snapshot
+    finally:
+        shutil.rmtree(snapshot, ignore_errors=True)
+
+
+@contextmanager
+def scratch_folders():
+    """This process's temporary folders, ``(snapshot, logs)``: the ``compiled_snapshot`` every
+    worker imports from, and the measured worlds' logs. Both are removed at the end, but for the
+    logs of a run that failed: its error names the log of the world that failed."""
+    with compiled_snapshot() as snapshot:
         logs = tempfile.mkdtemp(prefix="zload-bench-logs-")
         try:
             yield snapshot, logs
@@ -64,8 +72,6 @@ def scratch_folders():
             log(f"the measured worlds' logs are kept in {logs}")
             raise
         shutil.rmtree(logs)
-    finally:
-        shutil.rmtree(snapshot, ignore_errors=True)
 
 
 def _worker_env(world: int, snapshot: str) -> dict:

@@ -162,7 +162,8 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
     zload from both saves (the script raises unless the resumed optimizers are bit-identical):
     the JSON and table name every step, zload reads the same bytes from either save, and every
     step, DeepSpeed's too, records the untimed recycling of new memory its ranks did before it,
-    and every run is kept with its ratio to its own floor."""
+    and every run is kept with its ratio to its own floor. The ranks import zload compiled, as
+    installed, and each floor runs once the resume's new states are freed again."""
     run_module(tmp_path, "benchmarks.resume", "--size", SIZE, "--worlds", "1", "--runs", "1", "--cache", cache,
                "--out", tmp_path, "--name", "smoke")
     result = json.loads((tmp_path / "resume-smoke.json").read_text())["results"][0]
@@ -176,13 +177,18 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
     assert all(r[0]["over_floor"] == m["seconds"] / max(m["io_floor_new_memory_seconds_ranks"])
                for m, r in ((resumed[k], runs[k]) for k in ("zload (native)", "zload (zload.save)")))
     assert resumed["zload (native)"]["bytes_read_ranks"] == resumed["zload (zload.save)"]["bytes_read_ranks"]
+    assert all(m["zload_compiled"] for m in resumed.values())
+    states = resumed["zload (native)"]["new_state_bytes_ranks"]
+    assert resumed["load_universal"]["recycle_bytes_ranks"] == [2 * new for new in states]  # it brings in twice
     for method in ("zload (native)", "zload (zload.save)"):  # an engine that has not stepped: 2 of 3 states new
         m = resumed[method]
         assert all(0.6 < new / read < 0.7 for new, read in zip(m["new_state_bytes_ranks"], m["bytes_read_ranks"]))
         assert all(new > old for new, old in zip(m["io_floor_new_memory_seconds_ranks"], m["io_floor_seconds_ranks"]))
+        assert m["recycle_bytes_ranks"] == m["new_state_bytes_at_floor_ranks"] == m["new_state_bytes_ranks"]
     table = (tmp_path / "resume-smoke.md").read_text()
     assert all(f"| {step} |" in table for step in [*resumed, "ds_to_universal", "zload.save"])
-    assert "W'=1 zload (native): " in table
+    assert "W'=1 zload (native): " in table and "Runs at most 1.3x the floor: W'=1 zload (native) " in table
+    assert "freed_pages_held_ms" in result  # the VM's setting that decides how fast freed pages fault in again
 
 
 def test_gpu_check_smoke_run_on_cpu(cache, tmp_path):
