@@ -2,7 +2,7 @@
 ``ds_to_universal`` + ``load_universal``, and ``zload.save(engine, path, optimizer=True)`` against
 ``engine.save_checkpoint``.
 
-    python -m benchmarks.resume --size 1GB --worlds 1 3 --runs 3
+    python -m benchmarks.resume --size 1GB --worlds 1 3 --runs 5 --hold-freed-pages 10000
 
 ``--size`` is the model's bf16 weights. For each size it writes once (into the cache folder),
 at world size 2, a Llama-shaped model (``benchmarks.load``'s ``llama_config``) under
@@ -25,11 +25,13 @@ Per rank, each step apart: the seconds of the call alone (not the engine's build
 before it and its high-water mark after (``ru_maxrss``), and, for zload, the bytes it read; its
 I/O floors are those bytes at the speed one process alone reads the checkpoint's files from the
 page cache into a reused buffer (a bound no resume reaches), and the time the rank itself takes,
-right after its resume and with all ranks at once, to read as many bytes of the same files with
-zload's reader threads, those of the Adam states the engine held no memory for (an engine that has
-not stepped: any resume brings them into being) into memory allocated then (``_floor_in_rank``).
-Each resume, and each floor, comes right after faulting in that much new memory and freeing it,
-untimed (``_recycle``), so that both fault in the same kind of pages. The first run checks that
+after its resume (whose new states it frees first) and with all ranks at once, to read as many
+bytes of the same files with zload's reader threads, those of the Adam states the engine held no
+memory for (an engine that has not stepped: any resume brings them into being) into memory
+allocated then (``_floor_in_rank``). Each resume, and each floor, comes right after faulting in
+that much new memory and freeing it, untimed (``_recycle``), so that both fault in the same kind
+of pages; ``--hold-freed-pages`` keeps the kernel from handing those back to the host meanwhile.
+The ranks import a compiled copy of zload, as installed; its imports are part of the resume. The first run checks that
 every rank's fp32 masters, exp_avg, exp_avg_sq and step counts are bit-identical between
 DeepSpeed's resume and zload's two. A resume that fails (DeepSpeed's universal load can run out
 of memory) is recorded as failed. Results: ``OUT/resume-<name>.{json,md}``, the median run of
@@ -45,6 +47,7 @@ import math
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -171,10 +174,11 @@ def resume(method: str, folder: str, out: str) -> None:
 
         def call():
             return zload.load_into(engine, where, optimizer=True).bytes_read
+    _evict_others(folder, files)
     _warm_in_ranks(files)
     recycled = new * (2 if method == "load_universal" else 1)  # its RSS rises by about twice the states
     record = dict(recycle_seconds=_recycle(recycled), recycle_bytes=recycled, new_state_bytes=new,
-                  zload_compiled=os.path.exists(zload.__cached__))
+                  zload_compiled=os.path.exists(zload.__cached__), resident_before=files_residency(files))
     record.update(_timed(call), digest=_digest(engine))
     if method != "load_universal":
         _drop_new_states(engine)
@@ -186,7 +190,7 @@ def resume(method: str, folder: str, out: str) -> None:
 
 def _recycle(nbytes: int) -> float:
     """Fault in ``nbytes`` of new memory and free it, untimed, right before a timed step that
-    brings that much into being (the Adam states; DeepSpeed's universal load brings in more);
+    brings that much into being (the Adam states; DeepSpeed's universal load, about twice as much);
     returns its seconds. On this VM a page the guest freed moments ago faults in several times
     faster than one it has handed back to the host, and a step would pay whichever kind it
     happened to get (benchmarks/README.md): so each resume and its floor fault in pages just freed."""
@@ -387,6 +391,24 @@ def _files_under(folder: str) -> list[str]:
     return sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names)
 
 
+def _evict_others(folder: str, keep: list[str]) -> None:
+    """Drop from the page cache the files under ``folder`` (the benchmark's own, written back
+    already) that this step does not read (rank 0; ``_warm_in_ranks`` waits for it). Left in, the
+    other methods' files fill this 24 GB machine, and the recycle and the step bring in their new
+    memory by reclaiming page cache, at times the very files the step is about to read: the step
+    then read them from the disk, 2-3x slower (ad hoc and in whole runs)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return
+    for path in sorted(set(_files_under(folder)) - set(keep)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _warm_in_ranks(paths: list[str]) -> None:
     """Read the files ``paths`` into the page cache, the ranks sharing the reads, right
     before the timed call (and its ``_recycle``, which comes after: the page cache would take the
@@ -425,6 +447,7 @@ def _per_rank(records: list[dict], speed: float | None = None) -> dict:
         out["io_floor_seconds_ranks"] = [r["result"] / speed for r in records]
         out["io_floor_new_memory_seconds_ranks"] = [r["floor_seconds"] for r in records]
         out["floor_resident_ranks"] = [r["floor_resident"] for r in records]
+        out["resident_before_ranks"] = [r["resident_before"] for r in records]
         out["new_state_bytes_at_floor_ranks"] = [r["new_state_bytes_at_floor"] for r in records]
     if "recycle_seconds" in records[0]:
         out["recycle_seconds_ranks"] = [r["recycle_seconds"] for r in records]
@@ -472,11 +495,12 @@ def measure_size(name: str, weights: int, args) -> dict:
 
 def _over_floor(sample: dict) -> float | None:
     """A zload step's seconds over its floor in the rank (slowest ranks); None where it has no
-    floor, or where the page cache lost part of the files before the floor ended (it read some
-    from the disk)."""
+    floor, or where the page cache lacked part of the files right before the step or lost part
+    before the floor ended (one of them read some from the disk)."""
     if "io_floor_new_memory_seconds_ranks" not in sample:
         return None
-    if min(r if r is not None else 1.0 for r in sample["floor_resident_ranks"]) < 0.99:
+    resident = sample["floor_resident_ranks"] + sample.get("resident_before_ranks", [])
+    if min(r if r is not None else 1.0 for r in resident) < 0.99:
         return None
     return sample["seconds"] / max(sample["io_floor_new_memory_seconds_ranks"])
 
@@ -556,15 +580,17 @@ def markdown(data: dict) -> str:
               "built before it), the slowest rank; ds_to_universal: the whole command (one process and its "
               "workers). I/O floors: the rank's bytes read at the speed one process alone reads the files from "
               "the page cache into one reused buffer (a bound no resume reaches), and the time the rank takes, "
-              "right after its resume with all ranks at once and as many reader threads, to read as many bytes of "
+              "after its resume, whose new states it frees first, with all ranks at once and as many reader "
+              "threads, to read as many bytes of "
               "the same files, those of the Adam states the engine had no memory for (it has taken no step) into "
               "memory allocated then, its pages faulted in as it goes (in brackets, the step's time over each "
-              "floor; no ratio where the page cache had lost part of the files by the floor's end). Before each "
+              "floor; no ratio where the page cache lacked part of the files before the step or by the "
+              "floor's end). The files a step does not read are dropped from the page cache before it. Before each "
               "resume and each in-rank floor, untimed, each rank faulted in and freed as many bytes as the Adam "
               "states it brings in, so that both fault in pages just freed (DeepSpeed's universal load brings in "
-              "more than that: part of its pages came as they were). Minor faults "
+              "twice that, and its recycle is sized so). The ranks import zload compiled, as installed. Minor faults "
               "and kernel s: the call's page faults and its threads' kernel CPU seconds. The methods run in "
-              "another order in each run, each first once in three. The save rows: timed once, when the cache's "
+              "another order in each run, each first once in every three. The save rows: timed once, when the cache's "
               "checkpoint was written. Peak RSS: the high-water mark after the step; rise: that minus the RSS "
               "before it. The first run checks that every rank's masters, exp_avg, exp_avg_sq and steps are "
               "bit-identical across the three resumes."]
@@ -591,6 +617,7 @@ def main(argv=None) -> int:
                    help=f"for the run, set {MIN_FREE_MS} (how long a freed page stays before the kernel reports "
                         "it to the host; root only), restored after")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run restores the setting too
     # compiled as installed: zload's imports are part of a resume
     with freed_pages_held(args.hold_freed_pages), compiled_snapshot() as args.snapshot:
         results = [measure_size(name, nbytes, args) for name, nbytes, _ in args.size]

@@ -163,7 +163,8 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
     the JSON and table name every step, zload reads the same bytes from either save, and every
     step, DeepSpeed's too, records the untimed recycling of new memory its ranks did before it,
     and every run is kept with its ratio to its own floor. The ranks import zload compiled, as
-    installed, and each floor runs once the resume's new states are freed again."""
+    installed, each step's files are in the page cache right before it, and each floor runs once
+    the resume's new states are freed again."""
     run_module(tmp_path, "benchmarks.resume", "--size", SIZE, "--worlds", "1", "--runs", "1", "--cache", cache,
                "--out", tmp_path, "--name", "smoke")
     result = json.loads((tmp_path / "resume-smoke.json").read_text())["results"][0]
@@ -185,6 +186,7 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
         assert all(0.6 < new / read < 0.7 for new, read in zip(m["new_state_bytes_ranks"], m["bytes_read_ranks"]))
         assert all(new > old for new, old in zip(m["io_floor_new_memory_seconds_ranks"], m["io_floor_seconds_ranks"]))
         assert m["recycle_bytes_ranks"] == m["new_state_bytes_at_floor_ranks"] == m["new_state_bytes_ranks"]
+        assert all(r is None or r >= 0.99 for r in m["resident_before_ranks"])  # its files, in the page cache
     table = (tmp_path / "resume-smoke.md").read_text()
     assert all(f"| {step} |" in table for step in [*resumed, "ds_to_universal", "zload.save"])
     assert "W'=1 zload (native): " in table and "Runs at most 1.3x the floor: W'=1 zload (native) " in table
