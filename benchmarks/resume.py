@@ -2,7 +2,7 @@
 ``ds_to_universal`` + ``load_universal``, and ``zload.save(engine, path, optimizer=True)`` against
 ``engine.save_checkpoint``.
 
-    python -m benchmarks.resume --size 1GB --worlds 1 3 --runs 5 --hold-freed-pages 300000
+    python -m benchmarks.resume --size 1GB --worlds 1 3 --runs 5 --hold-freed-pages 300000 --name cpu-1GB
 
 ``--size`` is the model's bf16 weights. For each size it writes once (into the cache folder),
 at world size 2, a Llama-shaped model (``benchmarks.load``'s ``llama_config``) under
@@ -280,7 +280,8 @@ def _torchrun(world: int, snapshot: str, *arguments: str) -> list[dict]:
     out = tempfile.mkdtemp(prefix="zload-bench-resume-")
     try:
         path = [snapshot, REPO, os.environ.get("PYTHONPATH")]  # python -m puts the working folder first
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)), OMP_NUM_THREADS="1",
+                   PYTHONDONTWRITEBYTECODE="1")  # compiled only if the snapshot was: ``zload_compiled`` says
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                str(world), "-m", "benchmarks.resume", *arguments, out], cwd=snapshot, env=env,
                               capture_output=True, text=True)
@@ -394,8 +395,9 @@ def _files_under(folder: str) -> list[str]:
 
 
 def _evict_others(folder: str, keep: list[str]) -> None:
-    """Drop from the page cache the files under ``folder`` (the benchmark's own, written back
-    already) that this step does not read (rank 0; ``_warm_in_ranks`` waits for it). Left in, the
+    """Drop from the page cache the data files under ``folder`` (the benchmark's own, written back
+    already; of ``CHUNK`` bytes or more, so that small ones such as ``latest`` stay) that this step
+    does not read (rank 0; ``_warm_in_ranks``'s barrier comes after). Left in, the
     other methods' files fill this 24 GB machine, and the recycle and the step bring in their new
     memory by reclaiming page cache, which may be the very files the step is about to read."""
     import torch.distributed as dist
@@ -403,6 +405,8 @@ def _evict_others(folder: str, keep: list[str]) -> None:
     if dist.get_rank() != 0:
         return
     for path in sorted(set(_files_under(folder)) - set(keep)):
+        if os.path.getsize(path) < CHUNK:
+            continue
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
