@@ -2,7 +2,7 @@
 ``ds_to_universal`` + ``load_universal``, and ``zload.save(engine, path, optimizer=True)`` against
 ``engine.save_checkpoint``.
 
-    python -m benchmarks.resume --size 1GB --worlds 1 3 --runs 5 --hold-freed-pages 300000 --name cpu-1GB
+    python -m benchmarks.resume --size 1GB --worlds 1 3 --runs 6 --hold-freed-pages 300000 --name cpu-1GB
 
 ``--size`` is the model's bf16 weights. For each size it writes once (into the cache folder),
 at world size 2, a Llama-shaped model (``benchmarks.load``'s ``llama_config``) under
@@ -55,7 +55,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from benchmarks.load import HERE, MB, REPO, exit_without_teardown, log
+from benchmarks.load import HERE, MB, REPO, exit_without_teardown, log, run_order
 from benchmarks.load.checkpoint import (
     checkpoint_files,
     files_residency,
@@ -476,18 +476,21 @@ def measure_size(name: str, weights: int, args) -> dict:
         warm_page_cache(tag, ".pt")
         converts.append(convert(tag))  # the same for every W'
         log(f"{name} run {run + 1} ds_to_universal: {converts[-1]['seconds']:.2f} s")
+        after = "ds_to_universal"  # the step measured just before
         for world in args.worlds:
             digests = {}
-            for method in RESUMES[run % len(RESUMES):] + RESUMES[:run % len(RESUMES)]:  # each first once
+            for method in run_order(list(RESUMES), run):
                 try:
                     records = _torchrun(world, args.snapshot, "--resume", method, folder)
                 except RuntimeError as e:  # DeepSpeed's universal load can run out of memory
-                    samples[world][method].append({"failed": str(e).splitlines()[0]})
+                    samples[world][method].append({"failed": str(e).splitlines()[0], "after": after})
                     log(f"{name} run {run + 1} W'={world} {method}: failed: {e}")
+                    after = f"W'={world} {method} (failed)"
                     continue
                 digests[method] = [r["digest"] for r in records]
-                samples[world][method].append(_per_rank(records, speed))
+                samples[world][method].append({**_per_rank(records, speed), "after": after})
                 log(f"{name} run {run + 1} W'={world} {method}: {samples[world][method][-1]['seconds']:.2f} s")
+                after = f"W'={world} {method}"
             if run == 0 and len({tuple(d) for d in digests.values()}) > 1:
                 raise AssertionError(f"W'={world}: the resumed optimizers differ between {list(digests)}")
     return {"size": name, "weights_bytes": weights, "files_bytes": files, "read_bytes_per_second": speed,
@@ -513,9 +516,10 @@ def _over_floor(sample: dict) -> float | None:
 def _in_brief(sample: dict) -> dict:
     """One run of a step, so that a reader sees every run, not only the median one."""
     if "failed" in sample:
-        return {"failed": True}
+        return {"failed": True, "after": sample["after"]}
     ratio = _over_floor(sample)
-    return {"seconds": sample["seconds"], **({"over_floor": ratio} if ratio is not None else {})}
+    brief = {"seconds": sample["seconds"], "after": sample["after"]}
+    return {**brief, "over_floor": ratio} if ratio is not None else brief
 
 
 def _median(samples: list[dict]) -> dict:
@@ -595,7 +599,8 @@ def markdown(data: dict) -> str:
               "states it brings in, so that both fault in pages just freed (DeepSpeed's universal load brings in "
               "twice that, and its recycle is sized so). The ranks import zload compiled, as installed. Minor faults "
               "and kernel s: the call's page faults and its threads' kernel CPU seconds. The methods run in "
-              "another order in each run, each first once in every three. The save rows: timed once, when the cache's "
+              "the rows of a Williams design: over six runs each follows every other equally often (each run "
+              "records the step before it, `after`). The save rows: timed once, when the cache's "
               "checkpoint was written. Peak RSS: the high-water mark after the step; rise: that minus the RSS "
               "before it. The first run checks that every rank's masters, exp_avg, exp_avg_sq and steps are "
               "bit-identical across the three resumes."]

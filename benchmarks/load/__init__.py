@@ -65,6 +65,21 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+def run_order(methods: list[str], run: int) -> list[str]:
+    """The methods of one round: interleaved, so drift affects every method alike, in the rows of a
+    Williams design (for an odd n each row and then its mirror), so that what runs just before a method
+    changes from round to round and over n rounds (2n for an odd n) each method follows every other
+    equally often. On this project's VM zload.init's cold load at 300 MB W=2 took 0.19 s right after
+    zload's zero.Init world against 0.15 s first in its round, and with a fixed order it always came
+    after zload; the resume from DeepSpeed's files, always right after DeepSpeed's universal load in a
+    plain rotation, ran slower there. Each run records the step measured before it (``after``)."""
+    n = len(methods)
+    steps = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    row = run // 2 if n % 2 else run
+    order = [methods[(step + row) % n] for step in steps]
+    return order[::-1] if n % 2 and run % 2 else order
+
+
 def exit_without_teardown(status: int) -> None:
     """Leave a measured rank now, output flushed, without the interpreter's teardown: gloo sometimes
     aborts there after DeepSpeed (see examples/demo.py), which would fail a finished measurement."""

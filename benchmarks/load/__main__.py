@@ -10,7 +10,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from benchmarks.load import DEFAULT_STAGING, HERE, MB, METHODS, log
+from benchmarks.load import DEFAULT_STAGING, HERE, MB, METHODS, log, run_order
 from benchmarks.load.checkpoint import (
     checkpoint_bytes, checkpoint_dir, checkpoint_files, checkpoint_shape, ensure_checkpoint, evict_page_cache,
     parse_bytes, parse_size_spec, warm_page_cache,
@@ -70,20 +70,6 @@ def parse_args(argv=None):
     if args.runs < 1 or (args.transformers_runs is not None and args.transformers_runs < 1):
         p.error("--runs must be at least 1")
     return args
-
-
-def run_order(methods: list[str], run: int) -> list[str]:
-    """The methods of one round: interleaved, so drift affects every method alike, in the rows of a
-    Williams design (for an odd n each row and then its mirror), so that what runs just before a method
-    changes from round to round and over n rounds (2n for an odd n) each method follows every other
-    equally often. On this project's VM zload.init's cold load at 300 MB W=2 took 0.19 s right after
-    zload's zero.Init world against 0.15 s first in its round, and with a fixed order it always came
-    after zload. Each run records the method measured before it (``after``; "METHOD (failed)" after a failed world)."""
-    n = len(methods)
-    steps = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
-    row = run // 2 if n % 2 else run
-    order = [methods[(step + row) % n] for step in steps]
-    return order[::-1] if n % 2 and run % 2 else order
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.load import run_order
 from benchmarks.load.checkpoint import drop_caches_problem
 from benchmarks.load.report import write_outputs
 
@@ -175,6 +176,9 @@ def test_resume_benchmark_checks_and_reports_every_step(cache, tmp_path):
     assert all(len(m["recycle_seconds_ranks"]) == 1 and m["recycle_seconds_ranks"][0] > 0 for m in resumed.values())
     runs = result["each_run"]["1"]  # every run kept, not only the median one
     assert {m: len(r) for m, r in runs.items()} == dict.fromkeys(resumed, 1)
+    # in the first row of the Williams design, each run recording the step measured just before it
+    assert [runs[m][0]["after"] for m in run_order(list(resumed), 0)] == [
+        "ds_to_universal", "W'=1 load_universal", "W'=1 zload (native)"]
     assert all(r[0]["over_floor"] == m["seconds"] / max(m["io_floor_new_memory_seconds_ranks"])
                for m, r in ((resumed[k], runs[k]) for k in ("zload (native)", "zload (zload.save)")))
     assert resumed["zload (native)"]["bytes_read_ranks"] == resumed["zload (zload.save)"]["bytes_read_ranks"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
-from benchmarks.load.__main__ import run_order
+from benchmarks.load import run_order
 from benchmarks.load.launch import scratch_folders
 from benchmarks.load.targets import evaluate_targets
 from zload.kernels.torch_scatter import scatter_cast_torch
